@@ -1,0 +1,50 @@
+"""kerastower: tensorpack's tower and trainer semantics for Keras 3 `model.fit`.
+
+```python
+import kerastower as kt
+
+@kt.distributed("mirrored")
+def train():
+    model = kt.TowerModel(inputs, outputs)
+    model.compile(optimizer="adam", loss="sparse_categorical_crossentropy")
+    model.fit(kt.DatasetInput(dataset), epochs=3)   # dataset batches are per tower
+```
+"""
+
+from kerastower.errors import InputSourceError
+from kerastower.errors import KerasTowerError
+from kerastower.errors import StrategyError
+from kerastower.errors import TowerRuleError
+from kerastower.inputs import DatasetInput
+from kerastower.inputs import DummyConstantInput
+from kerastower.inputs import GeneratorInput
+from kerastower.inputs import InputSource
+from kerastower.inputs import TowerInputContext
+from kerastower.model import TowerModel
+from kerastower.strategies import TowerStrategy
+from kerastower.strategies import distributed
+from kerastower.strategies import register_strategy
+from kerastower.strategies import strategy_names
+from kerastower.tower import TowerContext
+from kerastower.tower import get_current_tower_context
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "DatasetInput",
+    "DummyConstantInput",
+    "GeneratorInput",
+    "InputSource",
+    "InputSourceError",
+    "KerasTowerError",
+    "StrategyError",
+    "TowerContext",
+    "TowerInputContext",
+    "TowerModel",
+    "TowerRuleError",
+    "TowerStrategy",
+    "distributed",
+    "get_current_tower_context",
+    "register_strategy",
+    "strategy_names",
+]

@@ -1,0 +1,271 @@
+"""InputSources: where each tower takes its batches from.
+
+Nothing is split. Every tower takes whole batches of its own, so the batch
+size you give is the per-tower batch and
+
+    total batch = per-tower batch x number of towers.
+
+```python
+import kerastower as kt
+
+kt.DatasetInput(dataset)            # one pipeline; towers take successive batches
+kt.DatasetInput(lambda ctx: make(ctx.index, ctx.total))   # a pipeline per tower
+kt.GeneratorInput(gen_fn, output_signature)   # Python source, prefetched
+kt.DummyConstantInput((images, labels))       # constant batches, for benchmarks
+```
+
+`fit`, `evaluate` and `predict` also take plain `tf.data.Dataset`s (as
+`DatasetInput`) and numpy arrays (batched with `batch_size` per tower).
+"""
+
+import collections
+import inspect
+
+import numpy as np
+import tensorflow as tf
+
+from kerastower.errors import InputSourceError
+
+__all__ = [
+    "InputSource",
+    "DatasetInput",
+    "GeneratorInput",
+    "DummyConstantInput",
+    "TowerInputContext",
+    "as_input_source",
+]
+
+TowerInputContext = collections.namedtuple("TowerInputContext", ["index", "total"])
+TowerInputContext.__doc__ = """What a per-tower pipeline function is told:
+`index` is the tower (0-based) whose pipeline is being built, `total` the
+number of towers."""
+
+
+class InputSource:
+    """Base class: something that gives every tower its own batches.
+
+    Subclasses implement `_tower_dataset(ctx)`, returning the `tf.data.Dataset`
+    tower `ctx.index` reads, and set `per_tower`: False when all towers share
+    one pipeline (each tower takes the next batch), True when each tower has
+    its own.
+    """
+
+    per_tower = False
+
+    def tower_dataset(self, ctx):
+        """The dataset tower `ctx.index` of `ctx.total` reads from."""
+        dataset = self._tower_dataset(ctx)
+        if not isinstance(dataset, tf.data.Dataset):
+            raise InputSourceError(
+                f"{type(self).__name__} must give a tf.data.Dataset for tower "
+                f"{ctx.index}; got {type(dataset).__name__}."
+            )
+        return dataset
+
+    def _tower_dataset(self, ctx):
+        raise NotImplementedError
+
+    def distribute(self, strategy):
+        """The per-tower batches of this source on a `TowerStrategy`."""
+        total = strategy.num_towers
+
+        def dataset_fn(input_context):
+            index = input_context.input_pipeline_id if self.per_tower else 0
+            return self.tower_dataset(TowerInputContext(index, total))
+
+        return strategy.distribute(dataset_fn, per_tower=self.per_tower)
+
+    def element_spec(self, total):
+        """The `tf.TensorSpec` structure of tower 0's batches."""
+        return self.tower_dataset(TowerInputContext(0, total)).element_spec
+
+    def steps(self, total):
+        """Steps in one pass over the data with `total` towers, or None."""
+        cardinality = int(self.tower_dataset(TowerInputContext(0, total)).cardinality())
+        if cardinality < 0:
+            return None
+        if self.per_tower:
+            return cardinality
+        return -(-cardinality // total)
+
+
+class DatasetInput(InputSource):
+    """A `tf.data` pipeline, shared by the towers or built once per tower.
+
+    Args:
+        dataset_or_fn: a batched `tf.data.Dataset`, from which the towers take
+            successive batches (tensorpack's QueueInput behaviour: batch k of a
+            step goes to tower k), or a function `fn(ctx)` that builds the
+            batched pipeline of tower `ctx.index` out of `ctx.total`.
+
+    Example:
+
+    >>> import tensorflow as tf, kerastower as kt
+    >>> shared = kt.DatasetInput(tf.data.Dataset.range(8).batch(2))
+    >>> per_tower = kt.DatasetInput(
+    ...     lambda ctx: tf.data.Dataset.range(8).shard(ctx.total, ctx.index).batch(2))
+    >>> per_tower.per_tower
+    True
+    """
+
+    def __init__(self, dataset_or_fn):
+        if isinstance(dataset_or_fn, tf.data.Dataset):
+            self._dataset = dataset_or_fn
+            self._fn = None
+            self.per_tower = False
+        elif callable(dataset_or_fn):
+            self._dataset = None
+            self._fn = dataset_or_fn
+            self.per_tower = True
+        else:
+            raise InputSourceError(
+                "DatasetInput takes a tf.data.Dataset or a function "
+                f"fn(ctx) -> tf.data.Dataset; got {type(dataset_or_fn).__name__}."
+            )
+
+    def _tower_dataset(self, ctx):
+        if self._fn is None:
+            return self._dataset
+        return self._fn(ctx)
+
+
+class GeneratorInput(InputSource):
+    """A Python generator of per-tower batches, run ahead in the background.
+
+    Each item the generator yields is one tower's batch; the towers take
+    successive items. The generator runs in tf.data's background threads
+    with `prefetch` items buffered, so a slow Python source overlaps the
+    training step instead of adding to it.
+
+    Args:
+        generator_fn: a callable with no arguments returning a fresh iterator.
+        output_signature: the `tf.TensorSpec` structure of one item.
+        prefetch: how many items to prepare ahead.
+
+    Example:
+
+    >>> import numpy as np, tensorflow as tf, kerastower as kt
+    >>> def batches():
+    ...     for _ in range(4):
+    ...         yield np.ones((2, 3), "float32"), np.zeros((2,), "int32")
+    >>> source = kt.GeneratorInput(batches, (
+    ...     tf.TensorSpec((None, 3), tf.float32), tf.TensorSpec((None,), tf.int32)))
+    """
+
+    def __init__(self, generator_fn, output_signature, prefetch=4):
+        if not callable(generator_fn) or inspect.isgenerator(generator_fn):
+            raise InputSourceError(
+                "GeneratorInput needs a function that returns a new generator "
+                f"each time it is called; got {generator_fn!r}. Pass the "
+                "function itself, e.g. GeneratorInput(my_gen, sig), not my_gen()."
+            )
+        self._generator_fn = generator_fn
+        self._signature = output_signature
+        self._prefetch = int(prefetch)
+
+    def _tower_dataset(self, ctx):
+        dataset = tf.data.Dataset.from_generator(
+            self._generator_fn, output_signature=self._signature
+        )
+        return dataset.prefetch(self._prefetch)
+
+
+class DummyConstantInput(InputSource):
+    """The same constant batch on every tower, every step, forever.
+
+    For measuring the speed of the model alone, as tensorpack's
+    DummyConstantInput. Each tower has its own endless pipeline.
+
+    Args:
+        batch: a structure (tuple, dict) of arrays, or of `tf.TensorSpec`s
+            whose shapes are fully known (they become zeros).
+
+    >>> import numpy as np, kerastower as kt
+    >>> source = kt.DummyConstantInput((np.zeros((4, 8), "float32"), np.zeros((4,), "int32")))
+    """
+
+    per_tower = True
+
+    def __init__(self, batch):
+        def to_tensor(leaf):
+            if isinstance(leaf, tf.TensorSpec):
+                if not leaf.shape.is_fully_defined():
+                    raise InputSourceError(
+                        f"DummyConstantInput needs full shapes; got {leaf}."
+                    )
+                return tf.zeros(leaf.shape, leaf.dtype)
+            return tf.constant(leaf)
+
+        self._batch = tf.nest.map_structure(to_tensor, batch)
+
+    def _tower_dataset(self, ctx):
+        return tf.data.Dataset.from_tensors(self._batch).repeat()
+
+
+def _is_array(value):
+    return isinstance(value, (np.ndarray, tf.Tensor)) or (
+        isinstance(value, (list, tuple, dict))
+        and value
+        and all(_is_array(v) for v in tf.nest.flatten(value))
+    )
+
+
+class _ArrayInput(DatasetInput):
+    """numpy arrays cut into per-tower batches, reshuffled every pass."""
+
+    def __init__(self, x, y, sample_weight, batch_size, shuffle):
+        arrays = tuple(a for a in (x, y, sample_weight) if a is not None)
+        lengths = {int(np.shape(a)[0]) for a in tf.nest.flatten(arrays)}
+        if len(lengths) != 1:
+            raise InputSourceError(
+                "x, y and sample_weight must have the same number of examples; "
+                f"got lengths {sorted(lengths)}."
+            )
+        dataset = tf.data.Dataset.from_tensor_slices(arrays if len(arrays) > 1 else arrays[0])
+        if shuffle:
+            dataset = dataset.shuffle(lengths.pop(), reshuffle_each_iteration=True)
+        super().__init__(dataset.batch(batch_size))
+        self.batch_size = batch_size
+
+
+def as_input_source(x, y=None, sample_weight=None, batch_size=None, shuffle=False):
+    """Turns what fit/evaluate/predict received into an `InputSource`.
+
+    `batch_size` is the per-tower batch for arrays (default 32); it must be
+    None for datasets and InputSources, which are batched already.
+    """
+    if isinstance(x, InputSource) or isinstance(x, tf.data.Dataset):
+        if y is not None or sample_weight is not None:
+            raise InputSourceError(
+                f"y and sample_weight must be None when x is a "
+                f"{type(x).__name__}: the dataset yields (x, y, sample_weight) "
+                "itself."
+            )
+        if batch_size is not None:
+            raise InputSourceError(
+                f"batch_size={batch_size} was given with a {type(x).__name__}, "
+                "which is batched already: batch the pipeline with the per-tower "
+                "batch size and leave batch_size unset."
+            )
+        return x if isinstance(x, InputSource) else DatasetInput(x)
+    if _is_array(x):
+        if batch_size is None:
+            batch_size = 32
+        if not isinstance(batch_size, int) or batch_size < 1:
+            raise InputSourceError(
+                f"batch_size (per tower) must be a positive int; got {batch_size!r}."
+            )
+        return _ArrayInput(x, y, sample_weight, batch_size, shuffle)
+    if isinstance(x, tf.distribute.DistributedDataset) or hasattr(
+        x, "_input_workers"
+    ):
+        raise InputSourceError(
+            "Pass the tf.data.Dataset itself, or kt.DatasetInput(fn), not a "
+            "distributed dataset: kerastower distributes it so that each tower "
+            "takes whole batches of its own."
+        )
+    raise InputSourceError(
+        "fit/evaluate/predict take a kt.InputSource, a tf.data.Dataset or numpy "
+        f"arrays; got x of type {type(x).__name__}. Wrap a Python generator "
+        "in kt.GeneratorInput(generator_fn, output_signature)."
+    )

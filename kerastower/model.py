@@ -1,0 +1,595 @@
+"""TowerModel: a keras.Model whose every tower trains on batches of its own.
+
+`fit`, `evaluate` and `predict` take an InputSource, a `tf.data.Dataset` or
+numpy arrays. Under a strategy with N towers, each step runs the model's step
+once per tower, under a `TowerContext`, on a whole batch that tower took from
+the input; nothing is split, so `total batch = per-tower batch x N`.
+
+```python
+import keras, numpy as np, kerastower as kt
+
+@kt.distributed("mirrored")
+def train(x, y):
+    inputs = keras.Input((8,))
+    model = kt.TowerModel(inputs, keras.layers.Dense(1)(inputs))
+    model.compile(optimizer="sgd", loss="mse")
+    return model.fit(x, y, batch_size=16, epochs=2)   # 16 examples per tower
+```
+
+Where a tower gets its batch: `InputSource.distribute` (inputs.py) makes the
+per-tower iterator; `_make_step_function` below pulls one batch per tower per
+step and runs the tower step (`train_step`, `test_step`, `predict_step`) on it.
+"""
+
+import warnings
+
+import keras
+import numpy as np
+import tensorflow as tf
+from keras.src.losses import loss as keras_loss
+from keras.src.trainers.data_adapters import array_slicing
+from keras.src.trainers.data_adapters import data_adapter_utils
+from keras.src.utils import io_utils
+from keras.src.utils.python_utils import pythonify_logs
+
+from kerastower import strategies
+from kerastower.errors import InputSourceError
+from kerastower.errors import StrategyError
+from kerastower.errors import TowerRuleError
+from kerastower.gradients import adopt_optimizer
+from kerastower.gradients import gradients_already_reduced
+from kerastower.inputs import as_input_source
+from kerastower.tower import TowerContext
+from kerastower.tower import forbid_variable_creation
+
+__all__ = ["TowerModel"]
+
+
+def _num_examples(data):
+    """The batch size of one tower's batch, as an int32 scalar tensor."""
+    x, _, _ = data_adapter_utils.unpack_x_y_sample_weight(data)
+    first = next(t for t in tf.nest.flatten(x) if t is not None)
+    return tf.shape(first)[0]
+
+
+class TowerModel(keras.Model):
+    """A `keras.Model` that trains with tensorpack's tower semantics.
+
+    Use it like `keras.Model`: functionally (`kt.TowerModel(inputs,
+    outputs)`), by subclassing, or around an existing model with
+    `kt.TowerModel.wrap(model)`. Create it under the strategy it will train
+    with (inside a `kt.distributed` function or block).
+
+    The steps `train_step`, `test_step` and `predict_step` are tower
+    functions: kerastower calls them once per tower per step, inside a
+    `TowerContext`, with that tower's batch.
+
+    Example:
+
+    >>> import keras, numpy as np, kerastower as kt
+    >>> inputs = keras.Input((3,))
+    >>> model = kt.TowerModel(inputs, keras.layers.Dense(1)(inputs))
+    >>> model.compile(optimizer="sgd", loss="mse")
+    >>> history = model.fit(np.ones((8, 3)), np.ones((8, 1)), batch_size=4, verbose=0)
+    """
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self._tower_strategy = strategies.current_strategy()
+        self._tower_local_weights = None
+
+    @classmethod
+    def wrap(cls, model):
+        """A TowerModel that shares the layers and weights of `model`.
+
+        A functional or Sequential model is rebuilt on the same layers;
+        any other model is called from a thin TowerModel around it. Build or
+        create `model` under the same strategy the TowerModel trains with.
+        """
+        if not isinstance(model, keras.Model):
+            raise TypeError(f"TowerModel.wrap takes a keras.Model; got {type(model).__name__}.")
+        if isinstance(model, TowerModel):
+            return model
+        try:
+            inputs, outputs = model.inputs, model.outputs
+        except (AttributeError, ValueError):
+            inputs = outputs = None
+        if inputs and outputs:
+            return cls(inputs=inputs, outputs=outputs, name=f"tower_{model.name}")
+        return _WrappedModel(model)
+
+    @property
+    def tower_strategy(self):
+        """The `kt.TowerStrategy` this model was created under."""
+        return self._tower_strategy
+
+    @property
+    def num_towers(self):
+        return self._tower_strategy.num_towers
+
+    def compile(self, *args, jit_compile="auto", **kwargs):
+        """As `keras.Model.compile`; gradients are reduced over towers before
+        the optimizer clips them. `jit_compile=True` is not supported yet."""
+        if jit_compile is True:
+            warnings.warn(
+                "kerastower: jit_compile=True is ignored; TowerModel steps are "
+                "compiled as tf.function graphs without XLA."
+            )
+        super().compile(*args, jit_compile=False, **kwargs)
+        if self.optimizer is not None:
+            adopt_optimizer(self.optimizer)
+
+    # ------------------------------------------------------------------
+    # Tower functions: called once per tower, under a TowerContext.
+
+    def tower_example_weight(self, num_examples):
+        """This tower's share of the step's examples, `n_i / sum_j n_j`.
+
+        Weighting each tower's mean loss by it makes the sum of the towers'
+        gradients the gradient of the mean loss over all the step's examples:
+        the plain mean over towers when they have equal batches.
+        """
+        n = tf.cast(num_examples, "float32")
+        total = self._tower_strategy.all_reduce_sum([n])[0]
+        return tf.math.divide_no_nan(n, total)
+
+    def tower_loss(self, x, y, y_pred, sample_weight=None, training=True):
+        """This tower's loss: the compiled loss (plus `model.losses`), a scalar."""
+        loss = self._compute_loss(
+            x=x, y=y, y_pred=y_pred, sample_weight=sample_weight, training=training
+        )
+        # Keras scales the loss by 1/replicas for its own all-reduce; the
+        # tower reduction here weights towers itself.
+        loss = keras_loss.unscale_loss_for_distribution(loss)
+        if loss.shape.rank != 0:
+            raise TowerRuleError(
+                f"The loss must be a scalar; got a tensor of shape {loss.shape}. "
+                "Tower rule: compute_loss returns one number per tower (reduce "
+                "with a mean or sum over the batch). See docs/towers.md, rule 4."
+            )
+        return loss
+
+    def apply_tower_gradients(self, gradients, variables=None):
+        """Sums `gradients` over towers, then lets the optimizer clip and apply.
+
+        Call it once per tower inside a tower step with the gradients of
+        `loss * self.tower_example_weight(n)`. Clipping and the non-finite
+        check of LossScaleOptimizer then act on the reduced gradient.
+        """
+        variables = self.trainable_weights if variables is None else variables
+        pairs = [(g, v) for g, v in zip(gradients, variables) if g is not None]
+        if not pairs:
+            raise ValueError(
+                "No gradients reached any trainable variable: does the loss "
+                f"depend on the model's weights? Variables: {[v.path for v in variables]}"
+            )
+        reduced = self._tower_strategy.all_reduce_sum([g for g, _ in pairs])
+        with gradients_already_reduced():
+            self.optimizer.apply(reduced, [v for _, v in pairs])
+
+    def _call_tower(self, x, training):
+        if self._call_has_training_arg:
+            return self(x, training=training)
+        return self(x)
+
+    def train_step(self, data):
+        """One tower's training step on its own batch `data`."""
+        x, y, sample_weight = data_adapter_utils.unpack_x_y_sample_weight(data)
+        num_examples = _num_examples(data)
+        weight = self.tower_example_weight(num_examples)
+        with tf.GradientTape() as tape:
+            y_pred = self._call_tower(x, training=True)
+            loss = self.tower_loss(x, y, y_pred, sample_weight, training=True)
+            # An empty batch (a tower that found no data left) has a NaN mean.
+            loss = tf.where(num_examples > 0, loss, tf.zeros_like(loss))
+            scaled_loss = self.optimizer.scale_loss(loss * tf.cast(weight, loss.dtype))
+        gradients = tape.gradient(scaled_loss, self.trainable_weights)
+        self.apply_tower_gradients(gradients)
+        self._loss_tracker.update_state(loss, sample_weight=num_examples)
+        return self.compute_metrics(x, y, y_pred, sample_weight=sample_weight)
+
+    def test_step(self, data):
+        """One tower's evaluation step on its own batch `data`."""
+        x, y, sample_weight = data_adapter_utils.unpack_x_y_sample_weight(data)
+        num_examples = _num_examples(data)
+        y_pred = self._call_tower(x, training=False)
+        loss = self.tower_loss(x, y, y_pred, sample_weight, training=False)
+        loss = tf.where(num_examples > 0, loss, tf.zeros_like(loss))
+        self._loss_tracker.update_state(loss, sample_weight=num_examples)
+        return self.compute_metrics(x, y, y_pred, sample_weight=sample_weight)
+
+    def predict_step(self, data):
+        """One tower's predictions for its own batch `data`."""
+        x, _, _ = data_adapter_utils.unpack_x_y_sample_weight(data)
+        return self._call_tower(x, training=False)
+
+    # ------------------------------------------------------------------
+    # Step functions: one batch per tower per step.
+
+    def _replica_local_weights(self):
+        """Non-trainable weights each tower updates on its own copy (e.g.
+        BatchNormalization's moving statistics), except those of layers that
+        synchronize across towers themselves."""
+        if self._tower_local_weights is None:
+            found = []
+            for layer in self._flatten_layers():
+                if getattr(layer, "synchronized", False):
+                    continue
+                for weight in layer._non_trainable_variables:
+                    if getattr(weight, "aggregation", None) == "none":
+                        found.append(weight)
+            self._tower_local_weights = found
+        return self._tower_local_weights
+
+    def _follow_main_tower(self, ctx):
+        """Copies the main tower's replica-local weights to every tower."""
+        weights = self._replica_local_weights()
+        if ctx.total == 1 or not weights:
+            return
+        shares = [w.value if ctx.is_main_tower else tf.zeros_like(w.value) for w in weights]
+        for weight, value in zip(weights, self._tower_strategy.all_reduce_sum(shares)):
+            weight.assign(value)
+
+    def _make_step_function(self, tower_step, mode):
+        """A function `f(iterator, num_steps)` running up to `num_steps` steps.
+
+        It returns (steps run, examples seen, last step's examples per tower,
+        logs). It stops early, without error, when the input runs out after
+        the first step; the first step raises OutOfRangeError when there is no
+        data left at all.
+        """
+        strategy = self._tower_strategy
+        is_training = mode == "train"
+
+        def tower_fn(data):
+            index = strategy.tower_index()
+            name = f"predict_tower{index}" if mode == "predict" else None
+            ctx = TowerContext(index, strategy.num_towers, is_training, name=name)
+            with ctx, tf.summary.record_if(ctx.is_main_tower), forbid_variable_creation(
+                f"{type(self).__name__}.{tower_step.__name__}"
+            ):
+                outputs = tower_step(data)
+                if is_training:
+                    self._follow_main_tower(ctx)
+            return outputs, _num_examples(data)
+
+        def one_step(data):
+            outputs, num_examples = strategy.run(tower_fn, args=(data,))
+            tower_examples = tf.stack(strategy.tower_values(num_examples))
+            if mode == "predict":
+                outputs = tf.nest.map_structure(
+                    lambda v: tf.concat(strategy.tower_values(v), axis=0), outputs
+                )
+            else:
+                outputs = tf.nest.map_structure(
+                    lambda v: tf.reduce_mean(tf.stack(strategy.tower_values(v)), axis=0),
+                    outputs,
+                )
+            return outputs, tower_examples
+
+        def function(iterator, num_steps):
+            outputs, tower_examples = one_step(iterator.get_next())
+            examples = tf.reduce_sum(tower_examples)
+            steps = tf.constant(1)
+            if mode != "predict":
+                for _ in tf.range(num_steps - 1):
+                    optional = iterator.get_next_as_optional()
+                    if not optional.has_value():
+                        break
+                    outputs, tower_examples = one_step(optional.get_value())
+                    examples += tf.reduce_sum(tower_examples)
+                    steps += 1
+                # Metrics read in cross-tower context sum every tower's totals
+                # and counts: example-weighted over towers.
+                outputs = dict(outputs) if isinstance(outputs, dict) else {}
+                outputs.update(self.get_metrics_result())
+            return steps, examples, tower_examples, outputs
+
+        if not self.run_eagerly:
+            function = tf.function(function, reduce_retracing=True)
+        return function
+
+    def make_train_function(self, force=False):
+        if self.train_function is None or force:
+            self.train_function = self._make_step_function(self.train_step, "train")
+        return self.train_function
+
+    def make_test_function(self, force=False):
+        if self.test_function is None or force:
+            self.test_function = self._make_step_function(self.test_step, "test")
+        return self.test_function
+
+    def make_predict_function(self, force=False):
+        if self.predict_function is None or force:
+            self.predict_function = self._make_step_function(self.predict_step, "predict")
+        return self.predict_function
+
+    # ------------------------------------------------------------------
+    # fit / evaluate / predict
+
+    def _check_strategy(self, method):
+        active = strategies.current_strategy()
+        if strategies.is_explicit() and active.tf_strategy is not self._tower_strategy.tf_strategy:
+            raise StrategyError(
+                f"{method}() runs under {active} but this model was created under "
+                f"{self._tower_strategy}. Create the model inside the same "
+                "kt.distributed function or block that calls "
+                f"{method}(), so its variables live on the towers that train it."
+            )
+
+    def _build_for(self, source):
+        spec = source.element_spec(self.num_towers)
+        with self._tower_strategy.scope():
+            self._symbolic_build(data_batch=spec)
+        self._tower_local_weights = None
+
+    def _run_steps(self, function, iterator, num_steps):
+        """Runs up to `num_steps` steps; returns (steps run, outputs, tower examples)."""
+        try:
+            steps, _, tower_examples, outputs = function(iterator, tf.constant(num_steps))
+        except tf.errors.OutOfRangeError:
+            return 0, None, None
+        return int(steps), outputs, tower_examples
+
+    def _announce_total_batch(self, tower_examples, verbose):
+        if self._announced_batch or verbose == 0:
+            return
+        self._announced_batch = True
+        counts = [int(n) for n in np.asarray(tower_examples)]
+        if len(set(counts)) == 1:
+            per_tower = f"{len(counts)} tower(s) x {counts[0]} examples"
+        else:
+            per_tower = f"towers took {', '.join(map(str, counts))} examples"
+        io_utils.print_msg(
+            f"kerastower: {per_tower} = total batch {sum(counts)} per step"
+        )
+
+    def fit(
+        self,
+        x=None,
+        y=None,
+        batch_size=None,
+        epochs=1,
+        verbose="auto",
+        callbacks=None,
+        validation_split=0.0,
+        validation_data=None,
+        shuffle=True,
+        class_weight=None,
+        sample_weight=None,
+        initial_epoch=0,
+        steps_per_epoch=None,
+        validation_steps=None,
+        validation_batch_size=None,
+        validation_freq=1,
+    ):
+        """Trains the model; `batch_size` and the batches of a dataset are per tower.
+
+        Takes the arguments of `keras.Model.fit`. With `steps_per_epoch` set,
+        one iterator runs through all epochs (an epoch is only the period at
+        which callbacks run), and a source that runs out raises an error.
+        """
+        self._assert_compile_called("fit")
+        self._check_strategy("fit")
+        if validation_split and validation_data is None:
+            (x, y, sample_weight), validation_data = array_slicing.train_validation_split(
+                (x, y, sample_weight), validation_split=validation_split
+            )
+        if class_weight is not None:
+            if not isinstance(y, np.ndarray):
+                raise InputSourceError(
+                    "class_weight works with numpy arrays; for a dataset, add "
+                    "per-example weights as its third element instead."
+                )
+            sample_weight = data_adapter_utils.class_weight_to_sample_weights(y, class_weight)
+        source = as_input_source(x, y, sample_weight, batch_size, shuffle)
+        val_source = None
+        if validation_data is not None:
+            val_source = self._validation_source(
+                validation_data, validation_batch_size or batch_size
+            )
+        self._build_for(source)
+        steps = steps_per_epoch or source.steps(self.num_towers)
+        if not isinstance(callbacks, keras.callbacks.CallbackList):
+            callbacks = keras.callbacks.CallbackList(
+                callbacks,
+                add_history=True,
+                add_progbar=verbose != 0,
+                verbose=verbose,
+                epochs=epochs,
+                steps=steps,
+                model=self,
+            )
+        self.stop_training = False
+        self._announced_batch = False
+        train_function = self.make_train_function()
+        distributed = source.distribute(self._tower_strategy)
+        iterator = iter(distributed) if steps_per_epoch else None
+        callbacks.on_train_begin()
+        logs, training_logs = {}, None
+        initial_epoch = self._initial_epoch or initial_epoch
+        for epoch in range(initial_epoch, epochs):
+            self.reset_metrics()
+            callbacks.on_epoch_begin(epoch)
+            if not steps_per_epoch:
+                iterator = iter(distributed)
+            step = 0
+            while not steps_per_epoch or step < steps_per_epoch:
+                want = self.steps_per_execution
+                if steps_per_epoch:
+                    want = min(want, steps_per_epoch - step)
+                callbacks.on_train_batch_begin(step)
+                ran, outputs, tower_examples = self._run_steps(train_function, iterator, want)
+                if ran:
+                    logs = outputs
+                    step += ran
+                    self._announce_total_batch(tower_examples, verbose)
+                    callbacks.on_train_batch_end(step - 1, logs)
+                if ran < want:
+                    self._check_not_exhausted(steps_per_epoch, epoch, step)
+                    break
+                if self.stop_training:
+                    break
+            epoch_logs = dict(self._get_metrics_result_or_logs(logs))
+            if val_source is not None and self._should_eval(epoch, validation_freq):
+                val_logs = self.evaluate(
+                    val_source,
+                    steps=validation_steps,
+                    callbacks=callbacks,
+                    return_dict=True,
+                    _from_fit=True,
+                )
+                epoch_logs.update({f"val_{k}": v for k, v in val_logs.items()})
+            callbacks.on_epoch_end(epoch, epoch_logs)
+            training_logs = epoch_logs
+            if self.stop_training:
+                break
+        if epochs > 0 and isinstance(self.optimizer, keras.optimizers.Optimizer):
+            self.optimizer.finalize_variable_values(self.trainable_weights)
+        callbacks.on_train_end(logs=training_logs)
+        return self.history
+
+    def _check_not_exhausted(self, steps_per_epoch, epoch, step):
+        if steps_per_epoch:
+            raise InputSourceError(
+                f"The input ran out after {step} of steps_per_epoch="
+                f"{steps_per_epoch} steps in epoch {epoch + 1}. With "
+                "steps_per_epoch set, an epoch is only the period at which "
+                "callbacks run and the input must not end: call .repeat() on "
+                "the dataset, or leave steps_per_epoch unset to make an epoch "
+                "one pass over the data."
+            )
+        if step == 0:
+            raise InputSourceError(
+                "The input gave no batch at all: it is empty, or (with "
+                "steps_per_epoch unset) it was a one-shot source already used up."
+            )
+
+    def _validation_source(self, validation_data, batch_size):
+        if isinstance(validation_data, (tuple, list)) and not isinstance(
+            validation_data[0], (tf.data.Dataset,)
+        ):
+            val_x, val_y, val_w = data_adapter_utils.unpack_x_y_sample_weight(
+                tuple(validation_data)
+            )
+            return as_input_source(val_x, val_y, val_w, batch_size)
+        return as_input_source(validation_data)
+
+    def evaluate(
+        self,
+        x=None,
+        y=None,
+        batch_size=None,
+        verbose="auto",
+        sample_weight=None,
+        steps=None,
+        callbacks=None,
+        return_dict=False,
+        **kwargs,
+    ):
+        """Evaluates data-parallel and exactly: each example counted once."""
+        from_fit = kwargs.pop("_from_fit", False)
+        if kwargs:
+            raise ValueError(f"Arguments not recognized: {kwargs}")
+        self._assert_compile_called("evaluate")
+        self._check_strategy("evaluate")
+        source = as_input_source(x, y, sample_weight, batch_size)
+        if not from_fit:
+            self._build_for(source)
+        if not isinstance(callbacks, keras.callbacks.CallbackList):
+            callbacks = keras.callbacks.CallbackList(
+                callbacks,
+                add_progbar=verbose != 0,
+                verbose=verbose,
+                epochs=1,
+                steps=steps or source.steps(self.num_towers),
+                model=self,
+            )
+        test_function = self.make_test_function()
+        iterator = iter(source.distribute(self._tower_strategy))
+        self.stop_evaluating = False
+        callbacks.on_test_begin()
+        self.reset_metrics()
+        logs, step = {}, 0
+        while not steps or step < steps:
+            want = self.steps_per_execution if not steps else min(self.steps_per_execution, steps - step)
+            callbacks.on_test_batch_begin(step)
+            ran, outputs, _ = self._run_steps(test_function, iterator, want)
+            if ran:
+                logs = outputs
+                step += ran
+                callbacks.on_test_batch_end(step - 1, logs)
+            if ran < want or self.stop_evaluating:
+                break
+        logs = pythonify_logs(self._get_metrics_result_or_logs(logs))
+        callbacks.on_test_end(logs)
+        if return_dict:
+            return logs
+        return self._flatten_metrics_in_order(logs)
+
+    def predict(self, x, batch_size=None, verbose="auto", steps=None, callbacks=None):
+        """Predicts data-parallel; outputs come back in input order.
+
+        With a shared source, tower k of a step takes the k-th next batch, so
+        concatenating the towers' outputs step by step restores the order.
+        """
+        self._check_strategy("predict")
+        source = as_input_source(x, batch_size=batch_size)
+        self._build_for(source)
+        if not isinstance(callbacks, keras.callbacks.CallbackList):
+            callbacks = keras.callbacks.CallbackList(
+                callbacks,
+                add_progbar=verbose != 0,
+                verbose=verbose,
+                epochs=1,
+                steps=steps or source.steps(self.num_towers),
+                model=self,
+            )
+        predict_function = self.make_predict_function()
+        iterator = iter(source.distribute(self._tower_strategy))
+        self.stop_predicting = False
+        callbacks.on_predict_begin()
+        batches, step = [], 0
+        while not steps or step < steps:
+            callbacks.on_predict_batch_begin(step)
+            ran, outputs, _ = self._run_steps(predict_function, iterator, 1)
+            if not ran:
+                break
+            batches.append(outputs)
+            callbacks.on_predict_batch_end(step, {"outputs": outputs})
+            step += 1
+            if self.stop_predicting:
+                break
+        callbacks.on_predict_end()
+        if not batches:
+            raise InputSourceError("predict() got no batch: the input is empty.")
+        return tf.nest.map_structure(
+            lambda *parts: np.concatenate([np.asarray(p) for p in parts], axis=0), *batches
+        )
+
+    def _no_single_batch(self, method, instead):
+        raise NotImplementedError(
+            f"TowerModel.{method} is not supported: one batch cannot feed "
+            f"several towers without splitting it. Use {instead} with a "
+            "one-batch tf.data.Dataset instead."
+        )
+
+    def train_on_batch(self, *args, **kwargs):
+        self._no_single_batch("train_on_batch", "fit(..., steps_per_epoch=1)")
+
+    def test_on_batch(self, *args, **kwargs):
+        self._no_single_batch("test_on_batch", "evaluate(...)")
+
+    def predict_on_batch(self, *args, **kwargs):
+        self._no_single_batch("predict_on_batch", "predict(...)")
+
+
+class _WrappedModel(TowerModel):
+    """A TowerModel calling another, non-functional Keras model."""
+
+    def __init__(self, model, **kwargs):
+        super().__init__(name=kwargs.pop("name", f"tower_{model.name}"), **kwargs)
+        self.inner = model
+
+    def call(self, inputs, training=None):
+        return self.inner(inputs, training=training)

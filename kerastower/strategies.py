@@ -1,0 +1,268 @@
+"""Strategies: where the towers run and how they combine, switched by one line.
+
+```python
+import kerastower as kt
+
+@kt.distributed("mirrored")          # or "single", "central"
+def train():
+    model = build_model()            # variables are created under the strategy
+    model.compile(optimizer="adam", loss="mse")
+    model.fit(kt.DatasetInput(dataset), epochs=2)
+```
+
+`kt.distributed(...)` is also a context manager. Each strategy is a
+`TowerStrategy`: a thin wrapper over a `tf.distribute.Strategy` that gives the
+rest of kerastower the few operations it needs (run a function once per tower,
+all-reduce inside a tower, turn an InputSource into per-tower iterators).
+New engines (Horovod, multi-worker) register themselves with
+`register_strategy`.
+"""
+
+import functools
+import threading
+
+import tensorflow as tf
+
+from kerastower.errors import StrategyError
+
+__all__ = [
+    "TowerStrategy",
+    "distributed",
+    "register_strategy",
+    "strategy_names",
+    "current_strategy",
+    "is_explicit",
+]
+
+
+class TowerStrategy:
+    """Runs a step once per tower on a `tf.distribute.Strategy`.
+
+    Args:
+        name: the registry name this strategy was made from.
+        tf_strategy: the `tf.distribute.Strategy` that places the towers.
+    """
+
+    def __init__(self, name, tf_strategy):
+        self.name = name
+        self.tf_strategy = tf_strategy
+
+    @property
+    def num_towers(self):
+        return self.tf_strategy.num_replicas_in_sync
+
+    def scope(self):
+        return self.tf_strategy.scope()
+
+    def tower_index(self):
+        """The index of the tower whose step is being traced, as a Python int."""
+        replica_ctx = tf.distribute.get_replica_context()
+        if replica_ctx is None:
+            raise StrategyError(
+                "tower_index() was called outside a tower step (in cross-"
+                "replica context); call it from inside a step."
+            )
+        index = tf.get_static_value(replica_ctx.replica_id_in_sync_group)
+        if index is None:
+            raise StrategyError(
+                f"{type(self.tf_strategy).__name__} does not give a static "
+                "replica index, which tower contexts need."
+            )
+        return int(index)
+
+    def run(self, fn, args=()):
+        """Calls `fn(*args)` once per tower; returns per-tower results."""
+        return self.tf_strategy.run(fn, args=args)
+
+    def tower_values(self, per_tower):
+        """The list of one per-tower result's values, in tower order."""
+        return list(self.tf_strategy.experimental_local_results(per_tower))
+
+    def all_reduce_sum(self, values):
+        """Sums `values` (a list of tensors) over towers, inside a tower step."""
+        if self.num_towers == 1:
+            return list(values)
+        replica_ctx = tf.distribute.get_replica_context()
+        return replica_ctx.all_reduce(tf.distribute.ReduceOp.SUM, list(values))
+
+    def distribute(self, dataset_fn, per_tower):
+        """Turns an input pipeline into a source of per-tower batches.
+
+        Args:
+            dataset_fn: `fn(input_context)` returning a `tf.data.Dataset`;
+                `input_context.input_pipeline_id` is the tower index when
+                `per_tower` is True.
+            per_tower: True builds one pipeline per tower; False builds one
+                pipeline that the towers take successive batches from.
+        """
+        if per_tower and self.num_towers > 1:
+            options = tf.distribute.InputOptions(
+                experimental_replication_mode=(
+                    tf.distribute.InputReplicationMode.PER_REPLICA
+                )
+            )
+            return self.tf_strategy.distribute_datasets_from_function(
+                dataset_fn, options
+            )
+        return self.tf_strategy.distribute_datasets_from_function(dataset_fn)
+
+    def __repr__(self):
+        return f"TowerStrategy({self.name!r}, towers={self.num_towers})"
+
+
+def _default_devices():
+    """All GPUs when there are any, else every logical CPU device."""
+    gpus = tf.config.list_logical_devices("GPU")
+    if gpus:
+        return [d.name for d in gpus]
+    return [d.name for d in tf.config.list_logical_devices("CPU")]
+
+
+def _make_single(devices):
+    if devices is None:
+        return TowerStrategy("single", tf.distribute.get_strategy())
+    devices = list(devices)
+    if len(devices) != 1:
+        raise StrategyError(
+            f'"single" runs one tower on one device; got devices={devices}. '
+            'Use "mirrored" for several devices.'
+        )
+    return TowerStrategy("single", tf.distribute.OneDeviceStrategy(devices[0]))
+
+
+def _make_mirrored(devices):
+    devices = list(devices) if devices is not None else _default_devices()
+    cross_ops = None
+    if not any("GPU" in d.upper() for d in devices):
+        # NCCL needs GPUs; on CPU devices a plain reduction is the only choice.
+        cross_ops = tf.distribute.ReductionToOneDevice()
+    return TowerStrategy(
+        "mirrored",
+        tf.distribute.MirroredStrategy(devices, cross_device_ops=cross_ops),
+    )
+
+
+def _make_central(devices):
+    raise StrategyError(
+        '"central" (tf.distribute.experimental.CentralStorageStrategy, '
+        "variables kept on one device like tensorpack's "
+        "SyncMultiGPUTrainerParameterServer) does not work with Keras 3: its "
+        "variables are not mirrored, and Keras 3 optimizers and metrics fail "
+        "on them. Use \"mirrored\" (variables replicated on every tower, "
+        "gradients all-reduced), which gives the same updates."
+    )
+
+
+_REGISTRY = {
+    "single": _make_single,
+    "mirrored": _make_mirrored,
+    "central": _make_central,
+}
+
+
+def register_strategy(name, factory):
+    """Makes `kt.distributed(name)` build `factory(devices)`.
+
+    Args:
+        name: the string users pass to `kt.distributed`.
+        factory: `factory(devices)` returning a `TowerStrategy`; `devices` is
+            the list the user gave, or None.
+    """
+    if not isinstance(name, str) or not name:
+        raise StrategyError(f"A strategy name must be a non-empty str; got {name!r}.")
+    _REGISTRY[name] = factory
+
+
+def strategy_names():
+    """The names `kt.distributed` accepts, sorted."""
+    return sorted(_REGISTRY)
+
+
+_local = threading.local()
+
+
+def _active():
+    if not hasattr(_local, "stack"):
+        _local.stack = []
+    return _local.stack
+
+
+def is_explicit():
+    """True inside `kt.distributed` or a `tf.distribute` strategy scope."""
+    return bool(_active()) or tf.distribute.has_strategy()
+
+
+def current_strategy():
+    """The `TowerStrategy` in effect: the innermost `kt.distributed`, else a
+    plain `tf.distribute` scope the user entered, else one tower on the
+    default device."""
+    if _active():
+        return _active()[-1]
+    tf_strategy = tf.distribute.get_strategy()
+    if tf.distribute.has_strategy():
+        return TowerStrategy(type(tf_strategy).__name__, tf_strategy)
+    return TowerStrategy("single", tf_strategy)
+
+
+class distributed:
+    """Runs a function, or a `with` block, under the named strategy.
+
+    Args:
+        name: one of `kt.strategy_names()`: "single" (one device), "mirrored"
+            (one tower per device, variables mirrored, gradients all-reduced),
+            "central" (explained in docs/strategies.md).
+        devices: device names, e.g. ["/gpu:0", "/gpu:1"]; default: all GPUs,
+            or all logical CPU devices when there is no GPU.
+
+    Example:
+
+    ```python
+    @kt.distributed("mirrored")
+    def train():
+        model = kt.TowerModel(inputs, outputs)
+        model.compile(optimizer="sgd", loss="mse")
+        return model.fit(x, y, batch_size=32)   # 32 per tower
+    ```
+    """
+
+    def __init__(self, name="mirrored", devices=None):
+        if name not in _REGISTRY:
+            raise StrategyError(
+                f"Unknown strategy {name!r}. Valid names: "
+                + ", ".join(repr(n) for n in strategy_names())
+                + "."
+            )
+        self.name = name
+        self.devices = None if devices is None else list(devices)
+        self._strategy = None
+        self._scopes = []
+
+    @property
+    def strategy(self):
+        """The `TowerStrategy`, made on first use and then reused."""
+        if self._strategy is None:
+            self._strategy = _REGISTRY[self.name](self.devices)
+        return self._strategy
+
+    def __enter__(self):
+        strategy = self.strategy
+        scope = strategy.scope()
+        scope.__enter__()
+        self._scopes.append(scope)
+        _active().append(strategy)
+        return strategy
+
+    def __exit__(self, *exc_info):
+        _active().pop()
+        return self._scopes.pop().__exit__(*exc_info)
+
+    def __call__(self, fn):
+        @functools.wraps(fn)
+        def run_under_strategy(*args, **kwargs):
+            with self:
+                return fn(*args, **kwargs)
+
+        return run_under_strategy
+
+    def __repr__(self):
+        return f"distributed({self.name!r}, devices={self.devices})"

@@ -1,0 +1,137 @@
+"""Tower contexts: which replica of the model is being built, and the tower rules.
+
+A *tower* is one replica of the model on one device. kerastower calls the
+model's step once per tower, each time under a `TowerContext`, so code inside
+`call`, `compute_loss` or a custom step can ask which tower it is on:
+
+```python
+import kerastower as kt
+
+class Net(kt.TowerModel):
+    def call(self, x, training=False):
+        ctx = kt.get_current_tower_context()
+        if ctx is not None and ctx.is_main_training_tower:
+            pass  # e.g. add a summary only once per step
+        return self.dense(x)
+```
+"""
+
+import contextlib
+import threading
+
+import tensorflow as tf
+
+from kerastower.errors import TowerRuleError
+
+__all__ = ["TowerContext", "get_current_tower_context"]
+
+# MirroredStrategy runs each replica's function in its own thread while
+# tracing, so the stack of active contexts must be per thread.
+_local = threading.local()
+
+
+def _stack():
+    if not hasattr(_local, "stack"):
+        _local.stack = []
+    return _local.stack
+
+
+class TowerContext:
+    """Describes the tower whose step is running.
+
+    Attributes:
+        index: Python int, 0..total-1. A plain int, so code may branch on it
+            while a step is traced.
+        total: Python int, the number of towers taking part in the step.
+        is_training: True in `fit`, False in `evaluate` and `predict`.
+        name: "tower{index}" in training, "eval_tower{index}" or
+            "predict_tower{index}" otherwise.
+
+    Example:
+
+    >>> import kerastower as kt
+    >>> with kt.TowerContext(index=1, total=2, is_training=True) as ctx:
+    ...     kt.get_current_tower_context().name
+    'tower1'
+    """
+
+    def __init__(self, index, total, is_training, name=None):
+        if not (isinstance(index, int) and isinstance(total, int)):
+            raise TypeError(
+                "TowerContext needs Python ints for index and total; got "
+                f"index={index!r}, total={total!r}."
+            )
+        if not 0 <= index < total:
+            raise ValueError(
+                f"TowerContext index must be in [0, total); got index={index}, "
+                f"total={total}."
+            )
+        self.index = index
+        self.total = total
+        self.is_training = bool(is_training)
+        if name is None:
+            name = f"tower{index}" if self.is_training else f"eval_tower{index}"
+        self.name = name
+
+    @property
+    def is_main_training_tower(self):
+        """True on tower 0 of a training step: the tower that owns summaries."""
+        return self.is_training and self.index == 0
+
+    @property
+    def is_main_tower(self):
+        """True on tower 0, in training and in inference."""
+        return self.index == 0
+
+    def __enter__(self):
+        _stack().append(self)
+        return self
+
+    def __exit__(self, *exc_info):
+        popped = _stack().pop()
+        assert popped is self, (popped, self)
+        return False
+
+    def __repr__(self):
+        return (
+            f"TowerContext(name={self.name!r}, index={self.index}, "
+            f"total={self.total}, is_training={self.is_training})"
+        )
+
+
+def get_current_tower_context():
+    """Returns the active `TowerContext`, or None outside any tower.
+
+    >>> import kerastower as kt
+    >>> kt.get_current_tower_context() is None
+    True
+    """
+    stack = _stack()
+    return stack[-1] if stack else None
+
+
+@contextlib.contextmanager
+def forbid_variable_creation(step_name):
+    """Raises `TowerRuleError` when a variable is created inside a tower step.
+
+    Every variable must exist before the first step is traced (layers are
+    built, the optimizer has its slots), so that each tower reuses the same
+    variables: the Keras reading of tensorpack's "respect variable reuse".
+    """
+
+    def refuse(next_creator, **kwargs):
+        del next_creator
+        name = kwargs.get("name") or "<unnamed>"
+        scope = tf.get_current_name_scope()
+        where = f" (name scope '{scope}')" if scope else ""
+        raise TowerRuleError(
+            f"{step_name} created the variable '{name}'{where} after the "
+            "model was built. Tower rule: every variable must exist before "
+            "the first step, because the step runs once per tower and each "
+            "tower must reuse the same variables. Create layers in __init__ "
+            "(or build()) rather than in call(), and create tf.Variables "
+            "outside train_step. See docs/towers.md, rule 2."
+        )
+
+    with tf.variable_creator_scope(refuse):
+        yield
