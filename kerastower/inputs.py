@@ -68,10 +68,18 @@ class InputSource:
     def distribute(self, strategy):
         """The per-tower batches of this source on a `TowerStrategy`."""
         total = strategy.num_towers
+        common_spec = None
+        if self.per_tower and total > 1:
+            common_spec = _common_spec(
+                [self.tower_dataset(TowerInputContext(i, total)).element_spec for i in range(total)]
+            )
 
         def dataset_fn(input_context):
             index = input_context.input_pipeline_id if self.per_tower else 0
-            return self.tower_dataset(TowerInputContext(index, total))
+            dataset = self.tower_dataset(TowerInputContext(index, total))
+            if common_spec is not None:
+                dataset = _relax_to(dataset, common_spec)
+            return dataset
 
         return strategy.distribute(dataset_fn, per_tower=self.per_tower)
 
@@ -87,6 +95,44 @@ class InputSource:
         if self.per_tower:
             return cardinality
         return -(-cardinality // total)
+
+
+def _common_spec(specs):
+    """The most specific spec every tower's batches fit: towers may differ in
+    shape (tower 0 8x8 images, tower 1 12x12), but one distributed iterator
+    has one spec."""
+    common = specs[0]
+    for spec in specs[1:]:
+        try:
+            tf.nest.assert_same_structure(common, spec)
+        except (TypeError, ValueError) as e:
+            raise InputSourceError(
+                "Per-tower pipelines must yield the same structure; got "
+                f"{specs[0]} for tower 0 and {spec}: {e}"
+            ) from None
+        common = tf.nest.map_structure(
+            lambda a, b: a.most_specific_common_supertype([b]), common, spec
+        )
+        if any(s is None for s in tf.nest.flatten(common)):
+            raise InputSourceError(
+                "Per-tower pipelines must yield the same dtypes and ranks; got "
+                f"{specs[0]} for tower 0 and {spec} for another tower."
+            )
+    return common
+
+
+def _relax_to(dataset, spec):
+    """`dataset` with its element shapes loosened to `spec`; values unchanged."""
+    if dataset.element_spec == spec:
+        return dataset
+
+    def relax(*elements):
+        element = elements if isinstance(spec, tuple) else elements[0]
+        return tf.nest.map_structure(
+            lambda t, s: tf.compat.v1.placeholder_with_default(t, s.shape), element, spec
+        )
+
+    return dataset.map(relax)
 
 
 class DatasetInput(InputSource):

@@ -143,13 +143,17 @@ def _make_mirrored(devices):
 
 
 def _make_central(devices):
-    raise StrategyError(
-        '"central" (tf.distribute.experimental.CentralStorageStrategy, '
-        "variables kept on one device like tensorpack's "
-        "SyncMultiGPUTrainerParameterServer) does not work with Keras 3: its "
-        "variables are not mirrored, and Keras 3 optimizers and metrics fail "
-        "on them. Use \"mirrored\" (variables replicated on every tower, "
-        "gradients all-reduced), which gives the same updates."
+    devices = list(devices) if devices is not None else _default_devices()
+    # Variables live on one device (the CPU, or the only GPU), as in
+    # tensorpack's SyncMultiGPUTrainerParameterServer; towers compute on
+    # `devices` and their gradients are summed onto that device.
+    gpus = [d for d in devices if "GPU" in d.upper()]
+    parameter_device = gpus[0] if len(gpus) == 1 else "/cpu:0"
+    return TowerStrategy(
+        "central",
+        tf.distribute.experimental.CentralStorageStrategy(
+            compute_devices=devices, parameter_device=parameter_device
+        ),
     )
 
 
@@ -210,7 +214,8 @@ class distributed:
     Args:
         name: one of `kt.strategy_names()`: "single" (one device), "mirrored"
             (one tower per device, variables mirrored, gradients all-reduced),
-            "central" (explained in docs/strategies.md).
+            "central" (one tower per device, variables kept on one device,
+            like tensorpack's SyncMultiGPUTrainerParameterServer).
         devices: device names, e.g. ["/gpu:0", "/gpu:1"]; default: all GPUs,
             or all logical CPU devices when there is no GPU.
 

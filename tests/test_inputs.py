@@ -1,0 +1,160 @@
+"""Each tower takes whole batches of its own: proven by what each tower saw."""
+
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import kerastower as kt
+from conftest import Recorder, id_data, mlp
+
+
+def _train_ids(recorder):
+    return {k[1]: v for k, v in recorder.seen.items() if k[3]}
+
+
+def test_shared_dataset_each_tower_takes_its_own_successive_batches(two_towers):
+    x, y = id_data(40)
+    recorder = Recorder()
+    model = mlp(recorder)
+    dataset = tf.data.Dataset.from_tensor_slices((x, y)).batch(4)
+    model.fit(kt.DatasetInput(dataset), epochs=1, verbose=0)
+    seen = _train_ids(recorder)
+    assert sorted(seen) == [0, 1]
+    # 10 batches of 4, two towers: tower k of step s takes batch 2s + k.
+    assert seen[0] == [list(range(8 * s, 8 * s + 4)) for s in range(5)]
+    assert seen[1] == [list(range(8 * s + 4, 8 * s + 8)) for s in range(5)]
+    assert all(len(batch) == 4 for t in seen.values() for batch in t)
+
+
+def test_plain_dataset_is_not_split_but_read_in_order_with_nothing_skipped(two_towers):
+    x, y = id_data(36)
+    recorder = Recorder()
+    model = mlp(recorder)
+    model.fit(tf.data.Dataset.from_tensor_slices((x, y)).batch(4), verbose=0)
+    seen = _train_ids(recorder)
+    order = [i for step in zip(seen[0], seen[1]) for batch in step for i in batch]
+    order += [i for batch in seen[0][len(seen[1]):] for i in batch]
+    assert order == list(range(36))
+    # 9 batches on 2 towers: the last step's tower 1 is empty, nothing is repeated.
+    assert seen[1][-1] == []
+
+
+def test_per_tower_pipelines_feed_only_their_own_tower(two_towers):
+    x, y = id_data(64)
+
+    def pipeline(ctx):
+        start = 1000 * (ctx.index + 1)
+        ids = np.arange(start, start + 16, dtype="float32")
+        features = np.repeat(ids[:, None], 4, axis=1)
+        labels = np.zeros(16, "int32")
+        return tf.data.Dataset.from_tensor_slices((features, labels)).batch(4)
+
+    recorder = Recorder()
+    model = mlp(recorder)
+    model.fit(kt.DatasetInput(pipeline), epochs=1, verbose=0)
+    seen = _train_ids(recorder)
+    assert [i for b in seen[0] for i in b] == list(range(1000, 1016))
+    assert [i for b in seen[1] for i in b] == list(range(2000, 2016))
+
+
+def test_arrays_batch_size_is_per_tower_and_total_is_announced(two_towers, capsys):
+    x, y = id_data(48)
+    recorder = Recorder()
+    model = mlp(recorder)
+    model.fit(x, y, batch_size=6, epochs=2, shuffle=True, verbose=1)
+    out = capsys.readouterr().out
+    assert out.count("kerastower: 2 tower(s) x 6 examples = total batch 12") == 1
+    seen = _train_ids(recorder)
+    for tower in (0, 1):
+        assert all(len(b) == 6 for b in seen[tower])
+    # Each epoch, every example once, across both towers.
+    per_epoch = len(seen[0]) // 2
+    epoch_one = [i for t in (0, 1) for b in seen[t][:per_epoch] for i in b]
+    assert sorted(epoch_one) == list(range(48))
+
+
+def test_towers_with_different_input_shapes_train(two_towers):
+    import keras
+
+    def images(ctx):
+        side = 8 if ctx.index == 0 else 12
+        rng = np.random.default_rng(ctx.index)
+        pics = rng.normal(size=(32, side, side, 1)).astype("float32")
+        labels = rng.integers(0, 2, 32).astype("int32")
+        return tf.data.Dataset.from_tensor_slices((pics, labels)).batch(4).repeat()
+
+    recorder = Recorder()
+    inputs = keras.Input((None, None, 1))
+    h = recorder(inputs)
+    h = keras.layers.Conv2D(4, 3, activation="relu")(h)
+    h = keras.layers.GlobalAveragePooling2D()(h)
+    model = kt.TowerModel(inputs, keras.layers.Dense(2)(h))
+    model.compile(
+        optimizer="adam",
+        loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+    )
+    before = [w.copy() for w in model.get_weights()]
+    history = model.fit(kt.DatasetInput(images), steps_per_epoch=5, epochs=2, verbose=0)
+    assert np.isfinite(history.history["loss"]).all()
+    shapes = {k[1]: set(v) for k, v in recorder.shapes.items() if k[3]}
+    assert shapes == {0: {(4, 8, 8, 1)}, 1: {(4, 12, 12, 1)}}
+    assert any(not np.allclose(a, b) for a, b in zip(before, model.get_weights()))
+
+
+def test_generator_input_runs_ahead_of_the_step(two_towers):
+    produced = []
+
+    def batches():
+        for i in range(40):
+            produced.append(i)
+            ids = np.full((2, 4), i, "float32")
+            yield ids, np.zeros((2,), "int32")
+
+    signature = (
+        tf.TensorSpec((None, 4), tf.float32),
+        tf.TensorSpec((None,), tf.int32),
+    )
+    recorder = Recorder()
+    model = mlp(recorder)
+    ahead = []
+
+    class Watch(kt.TowerModel):
+        pass
+
+    def note_ahead(batch, logs):
+        consumed = 2 * (batch + 1)
+        ahead.append(len(produced) - consumed)
+
+    import keras
+
+    callback = keras.callbacks.LambdaCallback(on_train_batch_end=note_ahead)
+    model.fit(kt.GeneratorInput(batches, signature), epochs=1, verbose=0, callbacks=[callback])
+    seen = _train_ids(recorder)
+    assert sorted(b[0] for t in (0, 1) for b in seen[t]) == list(range(40))
+    # The background prefetch had produced batches no tower had asked for yet.
+    assert max(ahead) >= 2
+
+
+def test_dummy_constant_input_feeds_every_tower(two_towers):
+    recorder = Recorder()
+    model = mlp(recorder)
+    batch = (np.full((3, 4), 7, "float32"), np.zeros((3,), "int32"))
+    model.fit(kt.DummyConstantInput(batch), steps_per_epoch=4, epochs=1, verbose=0)
+    seen = _train_ids(recorder)
+    assert seen == {0: [[7, 7, 7]] * 4, 1: [[7, 7, 7]] * 4}
+
+
+def test_bad_inputs_get_clear_errors(two_towers):
+    x, y = id_data(8)
+    model = mlp()
+    with pytest.raises(kt.InputSourceError, match="got x of type str"):
+        model.fit("data.csv", verbose=0)
+    with pytest.raises(kt.InputSourceError, match="batched already"):
+        model.fit(tf.data.Dataset.from_tensor_slices((x, y)).batch(2), batch_size=2, verbose=0)
+    with pytest.raises(kt.InputSourceError, match="same number of examples"):
+        model.fit(x, y[:5], verbose=0)
+    with pytest.raises(kt.InputSourceError, match="not my_gen()"):
+        kt.GeneratorInput((i for i in range(3)), None)
+    finite = tf.data.Dataset.from_tensor_slices((x, y)).batch(2)
+    with pytest.raises(kt.InputSourceError, match=r"ran out after 2 of steps_per_epoch=5.*repeat\(\)"):
+        model.fit(finite, steps_per_epoch=5, verbose=0)
