@@ -52,6 +52,18 @@ def _num_examples(data):
     return tf.shape(first)[0]
 
 
+def _warn_unlogged_outputs(outputs, metric_keys, step_name):
+    if isinstance(outputs, dict):
+        extra = sorted(set(outputs) - metric_keys)
+        if extra:
+            warnings.warn(
+                f"kerastower: {step_name} returned {extra}, which are not "
+                "metrics of the model; logs show the model's metrics only. "
+                "Track such values with a keras.metrics.Mean listed in "
+                "the model's `metrics` property."
+            )
+
+
 class TowerModel(keras.Model):
     """A `keras.Model` that trains with tensorpack's tower semantics.
 
@@ -234,57 +246,61 @@ class TowerModel(keras.Model):
         """A function `f(iterator, num_steps)` running up to `num_steps` steps.
 
         It returns (steps run, examples seen, last step's examples per tower,
-        logs). It stops early, without error, when the input runs out after
-        the first step; the first step raises OutOfRangeError when there is no
-        data left at all.
+        logs). Training and evaluation stop early, without error, when the
+        input runs out; their logs are the model's metrics, read across
+        towers. Prediction runs one step and returns the outputs.
         """
         strategy = self._tower_strategy
         is_training = mode == "train"
+        step_name = f"{type(self).__name__}.{tower_step.__name__}"
+        metric_keys = set(self.get_metrics_result()) if mode != "predict" else set()
 
         def tower_fn(data):
             index = strategy.tower_index()
             name = f"predict_tower{index}" if mode == "predict" else None
             ctx = TowerContext(index, strategy.num_towers, is_training, name=name)
             with ctx, tf.summary.record_if(ctx.is_main_tower), forbid_variable_creation(
-                f"{type(self).__name__}.{tower_step.__name__}"
+                step_name
             ):
                 outputs = tower_step(data)
                 if is_training:
                     self._follow_main_tower(ctx)
+                if mode != "predict":
+                    _warn_unlogged_outputs(outputs, metric_keys, step_name)
             return outputs, _num_examples(data)
 
-        def one_step(data):
+        def run_towers(data):
             outputs, num_examples = strategy.run(tower_fn, args=(data,))
-            tower_examples = tf.stack(strategy.tower_values(num_examples))
-            if mode == "predict":
-                outputs = tf.nest.map_structure(
-                    lambda v: tf.concat(strategy.tower_values(v), axis=0), outputs
-                )
-            else:
-                outputs = tf.nest.map_structure(
-                    lambda v: tf.reduce_mean(tf.stack(strategy.tower_values(v)), axis=0),
-                    outputs,
-                )
-            return outputs, tower_examples
+            return outputs, tf.stack(strategy.tower_values(num_examples))
+
+        def predict_function(iterator, num_steps):
+            del num_steps
+            outputs, tower_examples = run_towers(iterator.get_next())
+            outputs = tf.nest.map_structure(
+                lambda v: tf.concat(strategy.tower_values(v), axis=0), outputs
+            )
+            examples = tf.reduce_sum(tower_examples)
+            return tf.cast(examples > 0, tf.int32), examples, tower_examples, outputs
 
         def function(iterator, num_steps):
-            outputs, tower_examples = one_step(iterator.get_next())
-            examples = tf.reduce_sum(tower_examples)
-            steps = tf.constant(1)
-            if mode != "predict":
-                for _ in tf.range(num_steps - 1):
-                    optional = iterator.get_next_as_optional()
-                    if not optional.has_value():
-                        break
-                    outputs, tower_examples = one_step(optional.get_value())
-                    examples += tf.reduce_sum(tower_examples)
-                    steps += 1
-                # Metrics read in cross-tower context sum every tower's totals
-                # and counts: example-weighted over towers.
-                outputs = dict(outputs) if isinstance(outputs, dict) else {}
-                outputs.update(self.get_metrics_result())
-            return steps, examples, tower_examples, outputs
+            steps = tf.constant(0)
+            examples = tf.constant(0)
+            tower_examples = tf.zeros([strategy.num_towers], tf.int32)
+            # get_next() would hand every tower an empty batch at the end of
+            # the data under MirroredStrategy; an optional tells the end apart.
+            for _ in tf.range(num_steps):
+                optional = iterator.get_next_as_optional()
+                if not optional.has_value():
+                    break
+                _, tower_examples = run_towers(optional.get_value())
+                examples += tf.reduce_sum(tower_examples)
+                steps += 1
+            # Metrics read across towers sum every tower's totals and counts:
+            # the logs are example-weighted over towers.
+            return steps, examples, tower_examples, self.get_metrics_result()
 
+        if mode == "predict":
+            function = predict_function
         if not self.run_eagerly:
             function = tf.function(function, reduce_retracing=True)
         return function
@@ -553,7 +569,7 @@ class TowerModel(keras.Model):
         while not steps or step < steps:
             callbacks.on_predict_batch_begin(step)
             ran, outputs, _ = self._run_steps(predict_function, iterator, 1)
-            if not ran:
+            if not ran:  # no tower had data left
                 break
             batches.append(outputs)
             callbacks.on_predict_batch_end(step, {"outputs": outputs})
