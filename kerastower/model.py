@@ -26,7 +26,10 @@ import warnings
 import keras
 import numpy as np
 import tensorflow as tf
+from keras.src import backend as keras_backend
 from keras.src.losses import loss as keras_loss
+from keras.src.models.functional import Functional
+from keras.src.models.model import functional_init_arguments
 from keras.src.trainers.data_adapters import array_slicing
 from keras.src.trainers.data_adapters import data_adapter_utils
 from keras.src.utils import io_utils
@@ -64,6 +67,7 @@ def _warn_unlogged_outputs(outputs, metric_keys, step_name):
             )
 
 
+@keras.saving.register_keras_serializable(package="kerastower")
 class TowerModel(keras.Model):
     """A `keras.Model` that trains with tensorpack's tower semantics.
 
@@ -85,7 +89,21 @@ class TowerModel(keras.Model):
     >>> history = model.fit(np.ones((8, 3)), np.ones((8, 1)), batch_size=4, verbose=0)
     """
 
+    def __new__(cls, *args, **kwargs):
+        # Keras makes `SomeModel(inputs, outputs)` functional by rewriting the
+        # bases of SomeModel itself, which would turn every later subclass of
+        # TowerModel functional too; a class of its own avoids that.
+        if cls is TowerModel and functional_init_arguments(args, kwargs):
+            return super().__new__(FunctionalTowerModel)
+        return super().__new__(cls)
+
     def __init__(self, *args, **kwargs):
+        if functional_init_arguments(args, kwargs) and not isinstance(self, Functional):
+            raise TypeError(
+                f"{type(self).__name__} is a TowerModel subclass: build it by "
+                "subclassing (layers in __init__, a call method), or make a "
+                "functional model with kt.TowerModel(inputs, outputs)."
+            )
         super().__init__(*args, **kwargs)
         self._tower_strategy = strategies.current_strategy()
         self._tower_local_weights = None
@@ -108,7 +126,7 @@ class TowerModel(keras.Model):
             inputs = outputs = None
         if inputs and outputs:
             return cls(inputs=inputs, outputs=outputs, name=f"tower_{model.name}")
-        return _WrappedModel(model)
+        return WrappedTowerModel(model)
 
     @property
     def tower_strategy(self):
@@ -333,10 +351,19 @@ class TowerModel(keras.Model):
                 f"{method}(), so its variables live on the towers that train it."
             )
 
-    def _build_for(self, source):
+    def _build_for(self, source, with_targets=True):
+        """Creates every variable (layers, metrics, optimizer slots) from the
+        spec of tower 0's batches, so that no tower step creates one."""
         spec = source.element_spec(self.num_towers)
         with self._tower_strategy.scope():
-            self._symbolic_build(data_batch=spec)
+            if with_targets:
+                self._symbolic_build(data_batch=spec)
+            elif not all(layer.built for layer in self._flatten_layers()):
+                x, _, _ = data_adapter_utils.unpack_x_y_sample_weight(spec)
+                x = tf.nest.map_structure(
+                    lambda s: keras.KerasTensor(s.shape, s.dtype.name), x
+                )
+                keras_backend.compute_output_spec(self._call_tower, x, training=False)
         self._tower_local_weights = None
 
     def _run_steps(self, function, iterator, num_steps):
@@ -551,7 +578,7 @@ class TowerModel(keras.Model):
         """
         self._check_strategy("predict")
         source = as_input_source(x, batch_size=batch_size)
-        self._build_for(source)
+        self._build_for(source, with_targets=False)
         if not isinstance(callbacks, keras.callbacks.CallbackList):
             callbacks = keras.callbacks.CallbackList(
                 callbacks,
@@ -600,7 +627,13 @@ class TowerModel(keras.Model):
         self._no_single_batch("predict_on_batch", "predict(...)")
 
 
-class _WrappedModel(TowerModel):
+@keras.saving.register_keras_serializable(package="kerastower")
+class FunctionalTowerModel(TowerModel, Functional):
+    """What `kt.TowerModel(inputs, outputs)` makes: a functional TowerModel."""
+
+
+@keras.saving.register_keras_serializable(package="kerastower")
+class WrappedTowerModel(TowerModel):
     """A TowerModel calling another, non-functional Keras model."""
 
     def __init__(self, model, **kwargs):

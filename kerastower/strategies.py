@@ -101,9 +101,18 @@ class TowerStrategy:
                     tf.distribute.InputReplicationMode.PER_REPLICA
                 )
             )
-            return self.tf_strategy.distribute_datasets_from_function(
-                dataset_fn, options
-            )
+            # TF 2.21's MirroredStrategy keeps the input devices of a
+            # PER_REPLICA call for good, after which a shared pipeline feeds
+            # every tower the same batch; put them back after the call.
+            extended = self.tf_strategy.extended
+            saved = getattr(extended, "_input_workers_devices", None)
+            try:
+                return self.tf_strategy.distribute_datasets_from_function(
+                    dataset_fn, options
+                )
+            finally:
+                if saved is not None:
+                    extended._input_workers_devices = saved
         return self.tf_strategy.distribute_datasets_from_function(dataset_fn)
 
     def __repr__(self):

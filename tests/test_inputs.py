@@ -73,6 +73,20 @@ def test_arrays_batch_size_is_per_tower_and_total_is_announced(two_towers, capsy
     assert sorted(epoch_one) == list(range(48))
 
 
+def test_shared_source_stays_shared_after_a_per_tower_one(two_towers):
+    """TF keeps a MirroredStrategy's per-replica input devices after one
+    per-tower distribution; kerastower undoes that."""
+    x, y = id_data(16)
+    model = mlp()
+    model.fit(kt.DummyConstantInput((x[:4], y[:4])), steps_per_epoch=1, verbose=0)
+    assert model.predict(x, batch_size=16, verbose=0).shape == (16, 3)
+    recorder = Recorder()
+    model = mlp(recorder)
+    model.fit(tf.data.Dataset.from_tensor_slices((x, y)).batch(4), verbose=0)
+    seen = _train_ids(recorder)
+    assert sorted(i for t in seen.values() for b in t for i in b) == list(range(16))
+
+
 def test_towers_with_different_input_shapes_train(two_towers):
     import keras
 

@@ -1,0 +1,209 @@
+"""Tower contexts, tower rules, and the state that must stay one per model."""
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+from tensorboard.backend.event_processing import event_accumulator
+
+import kerastower as kt
+from conftest import TWO, id_data, mlp
+
+
+class ContextProbe(keras.layers.Layer):
+    """Records the tower context every time the layer is traced."""
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.contexts = []
+
+    def call(self, x):
+        ctx = kt.get_current_tower_context()
+        self.contexts.append(
+            None
+            if ctx is None
+            else (ctx.name, ctx.index, type(ctx.index), ctx.total, ctx.is_training,
+                  ctx.is_main_training_tower)
+        )
+        return x
+
+
+def test_tower_context_in_fit_evaluate_and_predict(two_towers):
+    x, y = id_data(16)
+    probe = ContextProbe()
+    model = mlp(probe)
+    assert kt.get_current_tower_context() is None
+    model.fit(x, y, batch_size=4, verbose=0)
+    model.evaluate(x, y, batch_size=4, verbose=0)
+    model.predict(x, batch_size=4, verbose=0)
+    traced = set(c for c in probe.contexts if c is not None)
+    assert traced == {
+        ("tower0", 0, int, 2, True, True),
+        ("tower1", 1, int, 2, True, False),
+        ("eval_tower0", 0, int, 2, False, False),
+        ("eval_tower1", 1, int, 2, False, False),
+        ("predict_tower0", 0, int, 2, False, False),
+        ("predict_tower1", 1, int, 2, False, False),
+    }
+    assert kt.get_current_tower_context() is None
+
+
+def test_tower_context_rejects_bad_values():
+    with pytest.raises(ValueError, match="index=2, total=2"):
+        kt.TowerContext(index=2, total=2, is_training=True)
+    with pytest.raises(TypeError, match="Python ints"):
+        kt.TowerContext(index=tf.constant(0), total=2, is_training=True)
+
+
+class LayerInCall(kt.TowerModel):
+    def call(self, x):
+        return keras.layers.Dense(2, name="made_in_call")(x)
+
+
+class VariableInStep(kt.TowerModel):
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.dense = keras.layers.Dense(2)
+
+    def call(self, x):
+        return self.dense(x)
+
+    def train_step(self, data):
+        self.counter = tf.Variable(0.0, name="step_counter")
+        return super().train_step(data)
+
+
+class PerExampleLoss(kt.TowerModel):
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.dense = keras.layers.Dense(2)
+
+    def call(self, x):
+        return self.dense(x)
+
+    def compute_loss(self, x=None, y=None, y_pred=None, sample_weight=None, training=True):
+        return tf.reduce_sum(tf.square(y_pred), axis=-1)
+
+
+@pytest.mark.parametrize(
+    "model_cls, match",
+    [
+        (LayerInCall, r"created the variable '.*' .*made_in_call.*Create layers in __init__"),
+        (VariableInStep, r"created the variable 'step_counter'.*tf.Variables"),
+        (PerExampleLoss, r"loss must be a scalar; got a tensor of shape \(None,\)|\(4,\)"),
+    ],
+)
+def test_tower_rule_violations_raise(two_towers, model_cls, match):
+    x, y = id_data(16)
+    model = model_cls()
+    model.compile(optimizer="sgd", loss="mse")
+    model(x[:2])  # build, as a user would
+    with pytest.raises(kt.TowerRuleError, match=match):
+        model.fit(x, np.zeros((16, 2), "float32"), batch_size=4, verbose=0)
+
+
+def test_subclassed_model_trains_on_towers(two_towers):
+    class Net(kt.TowerModel):
+        def __init__(self):
+            super().__init__()
+            self.hidden = keras.layers.Dense(8, activation="relu")
+            self.out = keras.layers.Dense(1)
+
+        def call(self, x):
+            return self.out(self.hidden(x))
+
+    x, _ = id_data(32)
+    y = x.sum(axis=1, keepdims=True)
+    model = Net()
+    model.compile(optimizer="adam", loss="mse")
+    history = model.fit(x, y, batch_size=4, epochs=2, verbose=0)
+    assert model.num_towers == 2 and len(history.history["loss"]) == 2
+
+
+def test_wrap_existing_keras_models(two_towers):
+    x, y = id_data(32)
+    inputs = keras.Input((4,))
+    functional = keras.Model(inputs, keras.layers.Dense(3)(inputs))
+    sequential = keras.Sequential([keras.Input((4,)), keras.layers.Dense(3)])
+
+    class Sub(keras.Model):
+        def __init__(self):
+            super().__init__()
+            self.dense = keras.layers.Dense(3)
+
+        def call(self, x):
+            return self.dense(x)
+
+    for keras_model in (functional, sequential, Sub()):
+        tower_model = kt.TowerModel.wrap(keras_model)
+        assert isinstance(tower_model, kt.TowerModel)
+        tower_model.compile(optimizer="sgd", loss="sparse_categorical_crossentropy")
+        tower_model.fit(x, y, batch_size=4, verbose=0)
+        # The wrapped model's own weights were trained.
+        np.testing.assert_array_equal(
+            keras_model.get_weights()[0], tower_model.get_weights()[0]
+        )
+
+
+def test_logs_are_example_weighted_over_towers_per_batch_and_at_epoch_end(two_towers):
+    """Tower 0 takes 2 examples a step, tower 1 takes 6: the logged loss is
+    the mean over the 8 examples, per batch and at the end of the epoch."""
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(64, 4)).astype("float32")
+    y = rng.integers(0, 3, 64).astype("int32")
+
+    def pipeline(ctx):
+        size = 2 if ctx.index == 0 else 6
+        part = slice(0, 16) if ctx.index == 0 else slice(16, 64)
+        return tf.data.Dataset.from_tensor_slices((x[part], y[part])).batch(size)
+
+    model = mlp(optimizer=keras.optimizers.SGD(0.0))  # weights fixed: losses are knowable
+    batch_logs = []
+    callback = keras.callbacks.LambdaCallback(
+        on_train_batch_end=lambda b, logs: batch_logs.append(float(logs["loss"]))
+    )
+    history = model.fit(kt.DatasetInput(pipeline), verbose=0, callbacks=[callback])
+    per_example = keras.losses.sparse_categorical_crossentropy(
+        y, model.predict(x, batch_size=64, verbose=0), from_logits=True
+    ).numpy()
+    step_ids = [np.r_[2 * s: 2 * s + 2, 16 + 6 * s: 16 + 6 * s + 6] for s in range(8)]
+    expected_running = [per_example[np.concatenate(step_ids[: s + 1])].mean() for s in range(8)]
+    np.testing.assert_allclose(batch_logs, expected_running, rtol=1e-5)
+    assert history.history["loss"][0] == pytest.approx(per_example.mean(), rel=1e-5)
+
+
+def test_summaries_are_written_once_per_step(two_towers, tmp_path):
+    class Summarized(keras.layers.Layer):
+        def call(self, x):
+            tf.summary.scalar("tower_input_mean", tf.reduce_mean(x), step=0)
+            return x
+
+    x, y = id_data(32)
+    model = mlp(Summarized())
+    writer = tf.summary.create_file_writer(str(tmp_path))
+    with writer.as_default():
+        model.fit(x, y, batch_size=4, epochs=1, verbose=0)  # 4 steps
+    writer.flush()
+    accumulator = event_accumulator.EventAccumulator(str(tmp_path))
+    accumulator.Reload()
+    tags = [t for t in accumulator.Tags()["tensors"] if t.endswith("tower_input_mean")]
+    assert len(tags) == 1, tags  # only the main tower writes, under one name
+    assert len(accumulator.Tensors(tags[0])) == 4  # 32 examples / (2 towers x 4)
+
+
+@pytest.mark.parametrize("synchronized", [False, True])
+def test_batchnorm_statistics_follow_the_main_tower_or_all_towers(synchronized):
+    """BN right after the input: its moving mean after one step is
+    momentum-free arithmetic on the batches, so we can say whose it is."""
+    with kt.distributed("mirrored", devices=TWO):
+        inputs = keras.Input((3,))
+        bn = keras.layers.BatchNormalization(momentum=0.5, synchronized=synchronized)
+        model = kt.TowerModel(inputs, keras.layers.Dense(1)(bn(inputs)))
+        model.compile(optimizer="sgd", loss="mse")
+        x = np.concatenate([np.full((4, 3), 2.0), np.full((4, 3), 10.0)]).astype("float32")
+        model.fit(x, np.zeros((8, 1), "float32"), batch_size=4, shuffle=False, verbose=0)
+        copies = [v.numpy() for v in bn.moving_mean.value.values]
+    expected = 0.5 * 6.0 if synchronized else 0.5 * 2.0  # all towers' mean, or tower 0's
+    for copy in copies:
+        np.testing.assert_allclose(copy, expected, rtol=1e-6)
+    np.testing.assert_allclose(model.get_weights()[2], expected, rtol=1e-6)
