@@ -203,20 +203,65 @@ class TowerModel(keras.Model):
         return self(x)
 
     def train_step(self, data):
-        """One tower's training step on its own batch `data`."""
+        """One tower's training step on its own batch `data`.
+
+        Returns this tower's metric results; `fit` logs the metrics read
+        across all towers.
+        """
         x, y, sample_weight = data_adapter_utils.unpack_x_y_sample_weight(data)
         num_examples = _num_examples(data)
         weight = self.tower_example_weight(num_examples)
-        with tf.GradientTape() as tape:
-            y_pred = self._call_tower(x, training=True)
-            loss = self.tower_loss(x, y, y_pred, sample_weight, training=True)
-            # An empty batch (a tower that found no data left) has a NaN mean.
-            loss = tf.where(num_examples > 0, loss, tf.zeros_like(loss))
-            scaled_loss = self.optimizer.scale_loss(loss * tf.cast(weight, loss.dtype))
-        gradients = tape.gradient(scaled_loss, self.trainable_weights)
-        self.apply_tower_gradients(gradients)
-        self._loss_tracker.update_state(loss, sample_weight=num_examples)
-        return self.compute_metrics(x, y, y_pred, sample_weight=sample_weight)
+        variables = self.trainable_weights
+
+        def forward_backward():
+            with tf.GradientTape() as tape:
+                y_pred = self._call_tower(x, training=True)
+                loss = self.tower_loss(x, y, y_pred, sample_weight, training=True)
+                # An empty batch has a NaN mean loss; it must count as zero.
+                loss = tf.where(num_examples > 0, loss, tf.zeros_like(loss))
+                scaled_loss = self.optimizer.scale_loss(loss * tf.cast(weight, loss.dtype))
+            self._loss_tracker.update_state(loss, sample_weight=num_examples)
+            self.compute_metrics(x, y, y_pred, sample_weight=sample_weight)
+            return tape.gradient(scaled_loss, variables)
+
+        gradients = self.gradients_if_tower_has_examples(
+            forward_backward, num_examples, variables
+        )
+        self.apply_tower_gradients(gradients, variables)
+        return self.get_metrics_result()
+
+    def gradients_if_tower_has_examples(self, forward_backward, num_examples, variables):
+        """Runs `forward_backward()` unless this tower's batch is empty.
+
+        At the end of finite data some towers may get no batch. Such a tower
+        must still join the all-reduce, but must not run the model: an empty
+        batch gives NaN means (and TF's oneDNN MaxPool gradient aborts the
+        process on it). It contributes zero gradients instead. A forward pass
+        that all-reduces (synchronized BatchNormalization) and strategies
+        whose updates need `merge_call` (CentralStorage) cannot be skipped on
+        some towers only; there the model runs on the empty batch.
+        """
+        if (
+            self.num_towers == 1
+            or not self._tower_strategy.can_branch_in_towers
+            or any(getattr(layer, "synchronized", False) for layer in self._flatten_layers())
+        ):
+            return forward_backward()
+        missing = []
+
+        def compute():
+            gradients = forward_backward()
+            missing[:] = [g is None for g in gradients]
+            return [
+                tf.zeros(v.shape, v.dtype) if g is None else tf.convert_to_tensor(g)
+                for g, v in zip(gradients, variables)
+            ]
+
+        def skip():
+            return [tf.zeros(v.shape, v.dtype) for v in variables]
+
+        gradients = tf.cond(num_examples > 0, compute, skip)
+        return [None if m else g for g, m in zip(gradients, missing)]
 
     def test_step(self, data):
         """One tower's evaluation step on its own batch `data`."""

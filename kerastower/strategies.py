@@ -48,6 +48,14 @@ class TowerStrategy:
         self.tf_strategy = tf_strategy
 
     @property
+    def can_branch_in_towers(self):
+        """Whether a tower step may update variables inside `tf.cond`: not
+        under CentralStorageStrategy, whose updates go through merge_call."""
+        return not isinstance(
+            self.tf_strategy, tf.distribute.experimental.CentralStorageStrategy
+        )
+
+    @property
     def num_towers(self):
         return self.tf_strategy.num_replicas_in_sync
 

@@ -1,0 +1,94 @@
+"""The strategy decorator: one line switches where the towers run."""
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import kerastower as kt
+from conftest import TWO, id_data, mlp
+
+
+def test_unknown_strategy_name_lists_the_valid_ones():
+    with pytest.raises(kt.StrategyError) as error:
+        kt.distributed("horovd")
+    message = str(error.value)
+    assert "'horovd'" in message
+    for name in ("'central'", "'mirrored'", "'single'"):
+        assert name in message
+
+
+def test_decorator_and_context_manager_are_the_same_object():
+    switch = kt.distributed("mirrored", devices=TWO)
+
+    @switch
+    def towers_inside():
+        return mlp().num_towers, kt.strategies.current_strategy().name
+
+    assert towers_inside() == (2, "mirrored")
+    with switch as strategy:
+        assert strategy.num_towers == 2 and mlp().num_towers == 2
+    assert kt.strategies.current_strategy().name == "single"
+    assert mlp().num_towers == 1
+
+
+def test_default_mirrored_devices_are_all_logical_cpus():
+    with kt.distributed("mirrored") as strategy:
+        assert strategy.num_towers == 4
+
+
+def test_single_refuses_several_devices():
+    with pytest.raises(kt.StrategyError, match='Use "mirrored"'):
+        with kt.distributed("single", devices=TWO):
+            pass
+
+
+def test_model_created_outside_the_strategy_is_refused_with_advice():
+    x, y = id_data(8)
+    model = mlp()
+    with kt.distributed("mirrored", devices=TWO):
+        with pytest.raises(kt.StrategyError, match="Create the model inside the same"):
+            model.fit(x, y, verbose=0)
+
+
+def test_plain_tf_distribute_scope_works_too():
+    x, y = id_data(16)
+    strategy = tf.distribute.MirroredStrategy(
+        TWO, cross_device_ops=tf.distribute.ReductionToOneDevice()
+    )
+    with strategy.scope():
+        model = mlp()
+        model.fit(x, y, batch_size=4, verbose=0)
+    assert model.num_towers == 2
+
+
+def test_register_strategy_adds_a_name():
+    kt.register_strategy("two_cpus", lambda devices: kt.strategies._make_mirrored(TWO))
+    try:
+        assert "two_cpus" in kt.strategy_names()
+        with kt.distributed("two_cpus") as strategy:
+            assert strategy.num_towers == 2
+    finally:
+        kt.strategies._REGISTRY.pop("two_cpus")
+
+
+def test_non_finite_check_sees_the_reduced_gradient(two_towers):
+    """Tower 1's batch makes its gradient inf; tower 0's is fine. The reduced
+    gradient is not finite, so LossScaleOptimizer skips the step on every
+    tower and halves its scale (stock Keras checks replica 0's share only)."""
+
+    def pipeline(ctx):
+        x = np.ones((4, 4), "float32")
+        if ctx.index == 1:
+            x[0, 0] = np.inf
+        return tf.data.Dataset.from_tensors((x, np.zeros((4,), "int32")))
+
+    optimizer = keras.optimizers.LossScaleOptimizer(
+        keras.optimizers.SGD(0.1), initial_scale=1024.0
+    )
+    model = mlp(optimizer=optimizer)
+    before = [w.copy() for w in model.get_weights()]
+    model.fit(kt.DatasetInput(pipeline), verbose=0)
+    for a, b in zip(before, model.get_weights()):
+        np.testing.assert_array_equal(a, b)
+    assert float(optimizer.dynamic_scale.numpy()) == 512.0
