@@ -91,10 +91,11 @@ class TowerModel(keras.Model):
 
     def __new__(cls, *args, **kwargs):
         # Keras makes `SomeModel(inputs, outputs)` functional by rewriting the
-        # bases of SomeModel itself, which would turn every later subclass of
-        # TowerModel functional too; a class of its own avoids that.
-        if cls is TowerModel and functional_init_arguments(args, kwargs):
-            return super().__new__(FunctionalTowerModel)
+        # bases of SomeModel and of its parents, TowerModel included, which
+        # would turn every later subclass functional too. A functional twin of
+        # the class, made once, avoids that.
+        if functional_init_arguments(args, kwargs) and not issubclass(cls, Functional):
+            return super().__new__(_functional_twin(cls))
         return super().__new__(cls)
 
     def __init__(self, *args, **kwargs):
@@ -675,6 +676,16 @@ class TowerModel(keras.Model):
 @keras.saving.register_keras_serializable(package="kerastower")
 class FunctionalTowerModel(TowerModel, Functional):
     """What `kt.TowerModel(inputs, outputs)` makes: a functional TowerModel."""
+
+
+_FUNCTIONAL_TWINS = {TowerModel: FunctionalTowerModel}
+
+
+def _functional_twin(cls):
+    """`cls` with Functional mixed in, for `cls(inputs, outputs)`."""
+    if cls not in _FUNCTIONAL_TWINS:
+        _FUNCTIONAL_TWINS[cls] = type(cls.__name__, (cls, Functional), {"__module__": cls.__module__})
+    return _FUNCTIONAL_TWINS[cls]
 
 
 @keras.saving.register_keras_serializable(package="kerastower")

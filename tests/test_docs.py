@@ -1,0 +1,25 @@
+"""Every python example in README.md and docs/ runs."""
+
+import os
+import re
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+PAGES = ["README.md"] + sorted(
+    os.path.join("docs", name) for name in os.listdir(os.path.join(ROOT, "docs"))
+    if name.endswith(".md")
+)
+
+
+def python_blocks(page):
+    with open(os.path.join(ROOT, page)) as f:
+        return re.findall(r"```python\n(.*?)```", f.read(), flags=re.S)
+
+
+@pytest.mark.parametrize("page", PAGES)
+def test_examples_on_the_page_run(page):
+    blocks = python_blocks(page)
+    namespace = {"__name__": f"docs_{os.path.basename(page)}"}
+    for block in blocks:
+        exec(compile(block, page, "exec"), namespace)
