@@ -120,6 +120,32 @@ def test_subclassed_model_trains_on_towers(two_towers):
     assert model.num_towers == 2 and len(history.history["loss"]) == 2
 
 
+def test_functional_use_leaves_the_classes_untouched(two_towers):
+    """Keras turns a class used as `Cls(inputs, outputs)` functional by
+    rewriting its bases; TowerModel and its subclasses must stay as written."""
+
+    class Custom(kt.TowerModel):
+        pass
+
+    inputs = keras.Input((4,))
+    outputs = keras.layers.Dense(2)(inputs)
+    functional = kt.TowerModel(inputs, outputs)
+    custom = Custom(inputs, outputs)
+    assert isinstance(functional, kt.TowerModel) and isinstance(custom, Custom)
+    assert kt.TowerModel.__bases__ == (keras.Model,)
+    assert Custom.__bases__ == (kt.TowerModel,)
+
+    class Later(kt.TowerModel):
+        def __init__(self):
+            super().__init__()
+            self.dense = keras.layers.Dense(2)
+
+        def call(self, x):
+            return self.dense(x)
+
+    assert Later().dense.units == 2
+
+
 def test_wrap_existing_keras_models(two_towers):
     x, y = id_data(32)
     inputs = keras.Input((4,))
