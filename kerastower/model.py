@@ -99,12 +99,6 @@ class TowerModel(keras.Model):
         return super().__new__(cls)
 
     def __init__(self, *args, **kwargs):
-        if functional_init_arguments(args, kwargs) and not isinstance(self, Functional):
-            raise TypeError(
-                f"{type(self).__name__} is a TowerModel subclass: build it by "
-                "subclassing (layers in __init__, a call method), or make a "
-                "functional model with kt.TowerModel(inputs, outputs)."
-            )
         super().__init__(*args, **kwargs)
         self._tower_strategy = strategies.current_strategy()
         self._tower_local_weights = None
@@ -287,14 +281,17 @@ class TowerModel(keras.Model):
         BatchNormalization's moving statistics), except those of layers that
         synchronize across towers themselves."""
         if self._tower_local_weights is None:
-            found = []
-            for layer in self._flatten_layers():
-                if getattr(layer, "synchronized", False):
-                    continue
-                for weight in layer._non_trainable_variables:
-                    if getattr(weight, "aggregation", None) == "none":
-                        found.append(weight)
-            self._tower_local_weights = found
+            synchronized = {
+                id(weight)
+                for layer in self._flatten_layers()
+                if getattr(layer, "synchronized", False)
+                for weight in layer.weights
+            }
+            self._tower_local_weights = [
+                weight
+                for weight in self.non_trainable_weights
+                if weight.aggregation == "none" and id(weight) not in synchronized
+            ]
         return self._tower_local_weights
 
     def _follow_main_tower(self, ctx):
@@ -350,8 +347,8 @@ class TowerModel(keras.Model):
             steps = tf.constant(0)
             examples = tf.constant(0)
             tower_examples = tf.zeros([strategy.num_towers], tf.int32)
-            # get_next() would hand every tower an empty batch at the end of
-            # the data under MirroredStrategy; an optional tells the end apart.
+            # An optional tells "no data left for any tower" (stop) from a
+            # last step where only some towers got a batch (run it).
             for _ in tf.range(num_steps):
                 optional = iterator.get_next_as_optional()
                 if not optional.has_value():
