@@ -11,6 +11,7 @@ def train():
 ```
 """
 
+from kerastower import callbacks
 from kerastower.errors import InputSourceError
 from kerastower.errors import KerasTowerError
 from kerastower.errors import StrategyError
@@ -20,6 +21,7 @@ from kerastower.inputs import DummyConstantInput
 from kerastower.inputs import GeneratorInput
 from kerastower.inputs import InputSource
 from kerastower.inputs import TowerInputContext
+from kerastower.loop import LoopState
 from kerastower.model import TowerModel
 from kerastower.strategies import TowerStrategy
 from kerastower.strategies import distributed
@@ -31,12 +33,14 @@ from kerastower.tower import get_current_tower_context
 __version__ = "0.1.0"
 
 __all__ = [
+    "callbacks",
     "DatasetInput",
     "DummyConstantInput",
     "GeneratorInput",
     "InputSource",
     "InputSourceError",
     "KerasTowerError",
+    "LoopState",
     "StrategyError",
     "TowerContext",
     "TowerInputContext",

@@ -42,6 +42,7 @@ from kerastower.errors import TowerRuleError
 from kerastower.gradients import adopt_optimizer
 from kerastower.gradients import gradients_already_reduced
 from kerastower.inputs import as_input_source
+from kerastower.loop import LoopState
 from kerastower.tower import TowerContext
 from kerastower.tower import forbid_variable_creation
 
@@ -102,6 +103,7 @@ class TowerModel(keras.Model):
         super().__init__(*args, **kwargs)
         self._tower_strategy = strategies.current_strategy()
         self._tower_local_weights = None
+        self.loop = LoopState(self)
 
     @classmethod
     def wrap(cls, model):
@@ -478,7 +480,7 @@ class TowerModel(keras.Model):
         steps = steps_per_epoch or source.steps(self.num_towers)
         if not isinstance(callbacks, keras.callbacks.CallbackList):
             callbacks = keras.callbacks.CallbackList(
-                callbacks,
+                self._callbacks_for_this_process(callbacks),
                 add_history=True,
                 add_progbar=verbose != 0,
                 verbose=verbose,
@@ -491,15 +493,19 @@ class TowerModel(keras.Model):
         train_function = self.make_train_function()
         distributed = source.distribute(self._tower_strategy)
         iterator = iter(distributed) if steps_per_epoch else None
+        initial_epoch = self._initial_epoch or initial_epoch
+        self.loop.starting_epoch = initial_epoch + 1
+        self.loop.max_epoch = epochs
+        self.loop.steps_per_epoch = steps
         callbacks.on_train_begin()
         logs, training_logs = {}, None
-        initial_epoch = self._initial_epoch or initial_epoch
         for epoch in range(initial_epoch, epochs):
             self.reset_metrics()
+            self.loop.epoch_num = epoch + 1
+            self.loop.local_step = step = 0
             callbacks.on_epoch_begin(epoch)
             if not steps_per_epoch:
                 iterator = iter(distributed)
-            step = 0
             while not steps_per_epoch or step < steps_per_epoch:
                 want = self.steps_per_execution
                 if steps_per_epoch:
@@ -509,6 +515,7 @@ class TowerModel(keras.Model):
                 if ran:
                     logs = outputs
                     step += ran
+                    self.loop.local_step = step
                     self._announce_total_batch(tower_examples, verbose)
                     callbacks.on_train_batch_end(step - 1, logs)
                 if ran < want:
@@ -534,6 +541,12 @@ class TowerModel(keras.Model):
             self.optimizer.finalize_variable_values(self.trainable_weights)
         callbacks.on_train_end(logs=training_logs)
         return self.history
+
+    def _callbacks_for_this_process(self, callbacks):
+        """Drops `chief_only` callbacks on processes that are not the chief."""
+        if callbacks is None or self._tower_strategy.is_chief:
+            return callbacks
+        return [cb for cb in callbacks if not getattr(cb, "chief_only", False)]
 
     def _check_not_exhausted(self, steps_per_epoch, epoch, step):
         if steps_per_epoch:

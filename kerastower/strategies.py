@@ -48,6 +48,11 @@ class TowerStrategy:
         self.tf_strategy = tf_strategy
 
     @property
+    def is_chief(self):
+        """Whether this process writes logs and checkpoints (always, in one process)."""
+        return True
+
+    @property
     def can_branch_in_towers(self):
         """Whether a tower step may update variables inside `tf.cond`: not
         under CentralStorageStrategy, whose updates go through merge_call."""

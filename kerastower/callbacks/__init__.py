@@ -1,0 +1,11 @@
+"""tensorpack's callbacks as Keras callbacks: `kt.callbacks.*`.
+
+They mix freely with Keras callbacks in one `callbacks=[...]` list.
+"""
+
+from kerastower.callbacks.base import Callback
+from kerastower.callbacks.trigger import EnableCallbackIf
+from kerastower.callbacks.trigger import PeriodicTrigger
+from kerastower.callbacks.trigger import ProxyCallback
+
+__all__ = ["Callback", "EnableCallbackIf", "PeriodicTrigger", "ProxyCallback"]

@@ -1,0 +1,125 @@
+"""`kt.callbacks.Callback`: tensorpack's callback template as a Keras callback.
+
+Subclasses override the private template methods; Keras calls the public
+`on_*` hooks, which call them. It is a `keras.callbacks.Callback`, so one
+`callbacks=[...]` list can mix it with any Keras callback.
+
+| tensorpack method | runs | called from Keras hook |
+|---|---|---|
+| `_before_train()` | once, before the first step | `on_train_begin` |
+| `_before_epoch()` | at the start of every epoch | `on_epoch_begin` |
+| `_trigger_step()` | after every step (every k steps with `steps_per_execution=k`) | `on_train_batch_end` |
+| `_after_epoch()` | at the end of every epoch, before `_trigger_epoch` | `on_epoch_end` |
+| `_trigger_epoch()` | at the end of every epoch; default: `_trigger()` | `on_epoch_end` |
+| `_trigger()` | whenever the callback is triggered | `trigger()` |
+| `_after_train()` | once, when training ends | `on_train_end` |
+
+```python
+import kerastower as kt
+
+class SayEpoch(kt.callbacks.Callback):
+    def _trigger(self):
+        print("epoch", self.epoch_num, "global step", self.global_step)
+```
+"""
+
+import keras
+
+__all__ = ["Callback"]
+
+
+class Callback(keras.callbacks.Callback):
+    """Base class of kerastower's callbacks; see the module docstring.
+
+    Attributes:
+        chief_only: True (the default) runs the callback on the chief process
+            only when training spans several processes (Horovod, multi-worker):
+            the one that writes logs and checkpoints.
+    """
+
+    chief_only = True
+
+    # Training state, read from the model's loop counters.
+
+    @property
+    def loop(self):
+        return self.model.loop
+
+    @property
+    def epoch_num(self):
+        return self.model.loop.epoch_num
+
+    @property
+    def global_step(self):
+        return self.model.loop.global_step
+
+    @property
+    def local_step(self):
+        return self.model.loop.local_step
+
+    # Keras hooks -> tensorpack template methods.
+
+    def on_train_begin(self, logs=None):
+        self.before_train()
+
+    def on_epoch_begin(self, epoch, logs=None):
+        self.before_epoch()
+
+    def on_train_batch_end(self, batch, logs=None):
+        self.trigger_step()
+
+    def on_epoch_end(self, epoch, logs=None):
+        self.after_epoch()
+        self.trigger_epoch()
+
+    def on_train_end(self, logs=None):
+        self.after_train()
+
+    # Public methods, each calling its template method.
+
+    def before_train(self):
+        self._before_train()
+
+    def before_epoch(self):
+        self._before_epoch()
+
+    def trigger_step(self):
+        self._trigger_step()
+
+    def after_epoch(self):
+        self._after_epoch()
+
+    def trigger_epoch(self):
+        self._trigger_epoch()
+
+    def trigger(self):
+        self._trigger()
+
+    def after_train(self):
+        self._after_train()
+
+    # Template methods for subclasses.
+
+    def _before_train(self):
+        pass
+
+    def _before_epoch(self):
+        pass
+
+    def _trigger_step(self):
+        pass
+
+    def _after_epoch(self):
+        pass
+
+    def _trigger_epoch(self):
+        self._trigger()
+
+    def _trigger(self):
+        pass
+
+    def _after_train(self):
+        pass
+
+    def __str__(self):
+        return type(self).__name__
