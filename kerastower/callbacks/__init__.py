@@ -4,8 +4,21 @@ They mix freely with Keras callbacks in one `callbacks=[...]` list.
 """
 
 from kerastower.callbacks.base import Callback
+from kerastower.callbacks.param import HyperParamSetter
+from kerastower.callbacks.param import HyperParamSetterWithFunc
+from kerastower.callbacks.param import ScheduledHyperParamSetter
+from kerastower.callbacks.param import StatMonitorParamSetter
 from kerastower.callbacks.trigger import EnableCallbackIf
 from kerastower.callbacks.trigger import PeriodicTrigger
 from kerastower.callbacks.trigger import ProxyCallback
 
-__all__ = ["Callback", "EnableCallbackIf", "PeriodicTrigger", "ProxyCallback"]
+__all__ = [
+    "Callback",
+    "EnableCallbackIf",
+    "HyperParamSetter",
+    "HyperParamSetterWithFunc",
+    "PeriodicTrigger",
+    "ProxyCallback",
+    "ScheduledHyperParamSetter",
+    "StatMonitorParamSetter",
+]

@@ -1,0 +1,232 @@
+"""Hyper-parameter setters: change a variable of the optimizer or the model
+as training goes, the same on every tower.
+
+```python
+import kerastower as kt
+
+kt.callbacks.ScheduledHyperParamSetter("learning_rate", [(1, 0.1), (10, 0.01), (20, 0.001)])
+kt.callbacks.ScheduledHyperParamSetter("learning_rate", [(1, 0.0), (5, 0.1)], interp="linear")
+kt.callbacks.HyperParamSetterWithFunc("learning_rate", lambda epoch, lr: lr * 0.9)
+kt.callbacks.StatMonitorParamSetter("learning_rate", "val_loss", lambda lr: lr / 2,
+                                    threshold=0.0, last_k=3)
+```
+
+A param is named by a string: an attribute of the optimizer
+(`"learning_rate"`), or an attribute of the model holding a `keras.Variable`
+(`"dropout_rate"` for `model.dropout_rate = keras.Variable(0.5)`). A
+`keras.Variable` may also be passed directly. Only variables can change
+after the step is compiled: a plain Python number (e.g. Adam's `beta_1`) is
+baked into the traced step, so naming one raises an error that says so.
+"""
+
+import keras
+import numpy as np
+
+from kerastower.callbacks.base import Callback
+
+__all__ = [
+    "HyperParamSetter",
+    "ScheduledHyperParamSetter",
+    "HyperParamSetterWithFunc",
+    "StatMonitorParamSetter",
+]
+
+
+def _find_variable(model, param):
+    if isinstance(param, keras.Variable):
+        return param
+    if not isinstance(param, str):
+        raise TypeError(f"A hyper-parameter is a name or a keras.Variable; got {param!r}.")
+    owners = [("optimizer", getattr(model, "optimizer", None)), ("model", model)]
+    inner = getattr(owners[0][1], "inner_optimizer", None)
+    if inner is not None:
+        owners.insert(1, ("optimizer.inner_optimizer", inner))
+    for owner_name, owner in owners:
+        if owner is None or not hasattr(owner, param):
+            continue
+        value = getattr(owner, param)
+        # Keras optimizers expose learning_rate as a property over `_learning_rate`.
+        variable = getattr(owner, "_" + param, value) if owner_name.startswith("optimizer") else value
+        if isinstance(variable, keras.Variable):
+            return variable
+        if isinstance(variable, keras.optimizers.schedules.LearningRateSchedule):
+            raise ValueError(
+                f"{owner_name}.{param} is a LearningRateSchedule, which sets it "
+                "every step already; give the optimizer a number to schedule it "
+                "with a callback."
+            )
+        raise ValueError(
+            f"{owner_name}.{param} is {value!r}, a Python value baked into the "
+            "compiled step: changing it would have no effect. Only variables "
+            "can be scheduled: the optimizer's learning_rate, or a "
+            "keras.Variable you store on the model."
+        )
+    raise ValueError(
+        f"No hyper-parameter named {param!r} on the optimizer or the model. "
+        "Name an optimizer attribute (e.g. 'learning_rate') or a model "
+        "attribute holding a keras.Variable."
+    )
+
+
+class HyperParamSetter(Callback):
+    """Base class: sets `param` to `_value_to_set()` when triggered.
+
+    Subclasses implement `_value_to_set()`, returning the new value or None
+    to leave it. By default it is set at the beginning of every epoch (when
+    `self.epoch_num` is already the epoch about to run). Like every variable
+    update outside the step, it applies to all towers at once.
+    """
+
+    def __init__(self, param):
+        super().__init__()
+        self.param = param
+        self._variable = None
+        # Every process must set its own copy, not only the chief.
+        self.chief_only = False
+
+    @property
+    def variable(self):
+        if self._variable is None:
+            self._variable = _find_variable(self.model, self.param)
+        return self._variable
+
+    def get_current_value(self):
+        return float(np.asarray(self.variable.numpy()))
+
+    def _value_to_set(self):
+        raise NotImplementedError
+
+    def _set(self):
+        value = self._value_to_set()
+        if value is not None:
+            self.variable.assign(value)
+        return value
+
+    def _before_train(self):
+        self.variable  # noqa: B018 - fail early on a bad param name
+
+    def _before_epoch(self):
+        self._set()
+
+    def _trigger(self):
+        self._set()
+
+    def _trigger_epoch(self):
+        # The value for the next epoch is set at its beginning.
+        pass
+
+
+class ScheduledHyperParamSetter(HyperParamSetter):
+    """Sets `param` from a schedule of (epoch, value) or (step, value) points.
+
+    Args:
+        param: see the module docstring.
+        schedule: list of (epoch_num, value), 1-based epochs; value set at the
+            beginning of that epoch. With `step_based=True`, (global_step,
+            value): in effect from the step that starts when global_step
+            (the number of steps done) has reached that number.
+        interp: None: the value of the last point reached (piecewise
+            constant); "linear": linear between points, the last value
+            after the last point. Before the first point the param is left
+            as it is.
+        step_based: read the schedule in steps instead of epochs.
+    """
+
+    def __init__(self, param, schedule, interp=None, step_based=False):
+        super().__init__(param)
+        points = [(int(t), float(v)) for t, v in schedule]
+        if not points or points != sorted(points, key=lambda p: p[0]):
+            raise ValueError(
+                f"ScheduledHyperParamSetter needs a non-empty schedule sorted by "
+                f"{'step' if step_based else 'epoch'}; got {schedule!r}."
+            )
+        if interp not in (None, "linear"):
+            raise ValueError(f"interp must be None or 'linear'; got {interp!r}.")
+        self.schedule = points
+        self.interp = interp
+        self.step_based = step_based
+
+    def _value_to_set(self):
+        now = self.global_step if self.step_based else self.epoch_num
+        if now < self.schedule[0][0]:
+            return None
+        for (t0, v0), (t1, v1) in zip(self.schedule, self.schedule[1:]):
+            if t0 <= now < t1:
+                if self.interp == "linear":
+                    return v0 + (v1 - v0) * (now - t0) / (t1 - t0)
+                return v0
+        return self.schedule[-1][1]
+
+    def _before_epoch(self):
+        if not self.step_based:
+            self._set()
+
+    def on_train_batch_begin(self, batch, logs=None):
+        if self.step_based:
+            self._set()
+
+
+class HyperParamSetterWithFunc(HyperParamSetter):
+    """Sets `param` to `func(epoch_num, current_value)` before every epoch.
+
+    `epoch_num` is the 1-based number of the epoch about to begin.
+    """
+
+    def __init__(self, param, func):
+        super().__init__(param)
+        if not callable(func):
+            raise TypeError(f"HyperParamSetterWithFunc needs a callable; got {func!r}.")
+        self.func = func
+
+    def _value_to_set(self):
+        return self.func(self.epoch_num, self.get_current_value())
+
+
+class StatMonitorParamSetter(HyperParamSetter):
+    """Changes `param` when a logged stat stops improving.
+
+    At the end of every epoch, if `stat` (a key of the epoch logs, e.g.
+    "val_loss") has not become lower by more than `threshold` than the best
+    value before the last `last_k` epochs, set `param = value_func(param)`
+    and wait `last_k` epochs before the next change. With `reverse=True` the
+    stat should become higher instead (e.g. accuracy).
+    """
+
+    def __init__(self, param, stat, value_func, threshold, last_k, reverse=False):
+        super().__init__(param)
+        self.stat = stat
+        self.value_func = value_func
+        self.threshold = float(threshold)
+        self.last_k = int(last_k)
+        self.reverse = reverse
+        self.history = []
+        self._last_changed_epoch = 0
+
+    def _before_epoch(self):
+        pass
+
+    def on_epoch_end(self, epoch, logs=None):
+        logs = logs or {}
+        if self.stat not in logs:
+            raise KeyError(
+                f"StatMonitorParamSetter watches {self.stat!r}, which is not in "
+                f"the epoch logs {sorted(logs)}."
+            )
+        value = float(logs[self.stat])
+        self.history.append(-value if self.reverse else value)
+        super().on_epoch_end(epoch, logs)
+
+    def _value_to_set(self):
+        if len(self.history) <= self.last_k:
+            return None
+        if self.epoch_num - self._last_changed_epoch < self.last_k:
+            return None
+        best_before = min(self.history[: -self.last_k])
+        recent_best = min(self.history[-self.last_k:])
+        if recent_best < best_before - self.threshold:
+            return None
+        self._last_changed_epoch = self.epoch_num
+        return self.value_func(self.get_current_value())
+
+    def _trigger_epoch(self):
+        self._set()
