@@ -493,11 +493,13 @@ class TowerModel(keras.Model):
         train_function = self.make_train_function()
         distributed = source.distribute(self._tower_strategy)
         iterator = iter(distributed) if steps_per_epoch else None
-        initial_epoch = self._initial_epoch or initial_epoch
         self.loop.starting_epoch = initial_epoch + 1
         self.loop.max_epoch = epochs
         self.loop.steps_per_epoch = steps
         callbacks.on_train_begin()
+        # BackupAndRestore sets the epoch to resume at in on_train_begin.
+        initial_epoch = self._initial_epoch or initial_epoch
+        self.loop.starting_epoch = initial_epoch + 1
         logs, training_logs = {}, None
         for epoch in range(initial_epoch, epochs):
             self.reset_metrics()
