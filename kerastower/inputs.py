@@ -256,29 +256,56 @@ def _is_array(value):
     )
 
 
-class _ArrayInput(DatasetInput):
-    """numpy arrays cut into per-tower batches, reshuffled every pass."""
+def _lists_to_tuples(structure):
+    """Keras reads a list of arrays as several inputs; tf.data would stack it."""
+    if isinstance(structure, list):
+        return tuple(_lists_to_tuples(v) for v in structure)
+    if isinstance(structure, tuple):
+        return tuple(_lists_to_tuples(v) for v in structure)
+    if isinstance(structure, dict):
+        return {k: _lists_to_tuples(v) for k, v in structure.items()}
+    return structure
 
-    def __init__(self, x, y, sample_weight, batch_size, shuffle):
-        arrays = tuple(a for a in (x, y, sample_weight) if a is not None)
-        lengths = {int(np.shape(a)[0]) for a in tf.nest.flatten(arrays)}
+
+class _ArrayInput(DatasetInput):
+    """numpy arrays cut into per-tower batches, reshuffled every pass.
+
+    Elements are laid out as Keras unpacks them: `(x,)`, `(x, y)` or
+    `(x, y, sample_weight)`. With `repeat`, the passes follow each other
+    endlessly (for `steps_per_epoch`), each one reshuffled.
+    """
+
+    def __init__(self, x, y, sample_weight, batch_size, shuffle, repeat=False):
+        if y is None and sample_weight is not None:
+            raise InputSourceError(
+                "sample_weight was given without y; kerastower needs targets to "
+                "weight. Pass y, or put the weights into the loss yourself."
+            )
+        x, y, sample_weight = (_lists_to_tuples(a) for a in (x, y, sample_weight))
+        element = tuple(a for a in (x, y, sample_weight) if a is not None)
+        lengths = {int(np.shape(a)[0]) for a in tf.nest.flatten(element)}
         if len(lengths) != 1:
             raise InputSourceError(
                 "x, y and sample_weight must have the same number of examples; "
                 f"got lengths {sorted(lengths)}."
             )
-        dataset = tf.data.Dataset.from_tensor_slices(arrays if len(arrays) > 1 else arrays[0])
+        dataset = tf.data.Dataset.from_tensor_slices(element)
         if shuffle:
             dataset = dataset.shuffle(lengths.pop(), reshuffle_each_iteration=True)
-        super().__init__(dataset.batch(batch_size))
+        dataset = dataset.batch(batch_size)
+        if repeat:
+            dataset = dataset.repeat()
+        super().__init__(dataset)
         self.batch_size = batch_size
 
 
-def as_input_source(x, y=None, sample_weight=None, batch_size=None, shuffle=False):
+def as_input_source(x, y=None, sample_weight=None, batch_size=None, shuffle=False,
+                    repeat=False):
     """Turns what fit/evaluate/predict received into an `InputSource`.
 
     `batch_size` is the per-tower batch for arrays (default 32); it must be
-    None for datasets and InputSources, which are batched already.
+    None for datasets and InputSources, which are batched already. `repeat`
+    makes arrays an endless source (fit with `steps_per_epoch`).
     """
     if isinstance(x, InputSource) or isinstance(x, tf.data.Dataset):
         if y is not None or sample_weight is not None:
@@ -301,7 +328,7 @@ def as_input_source(x, y=None, sample_weight=None, batch_size=None, shuffle=Fals
             raise InputSourceError(
                 f"batch_size (per tower) must be a positive int; got {batch_size!r}."
             )
-        return _ArrayInput(x, y, sample_weight, batch_size, shuffle)
+        return _ArrayInput(x, y, sample_weight, batch_size, shuffle, repeat)
     if isinstance(x, tf.distribute.DistributedDataset) or hasattr(
         x, "_input_workers"
     ):

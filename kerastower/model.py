@@ -56,6 +56,20 @@ def _num_examples(data):
     return tf.shape(first)[0]
 
 
+def _run_unless_empty(test_step, data, num_examples):
+    """Runs `test_step(data)` unless the batch is empty; returns its outputs
+    (None when it did not run). An empty batch would add zero losses with a
+    count of one to Keras's per-output loss trackers."""
+    outputs = []
+
+    def run():
+        outputs.append(test_step(data))
+        return tf.constant(True)
+
+    tf.cond(num_examples > 0, run, lambda: tf.constant(False))
+    return outputs[0] if outputs else None
+
+
 def _warn_unlogged_outputs(outputs, metric_keys, step_name):
     if isinstance(outputs, dict):
         extra = sorted(set(outputs) - metric_keys)
@@ -103,6 +117,7 @@ class TowerModel(keras.Model):
         super().__init__(*args, **kwargs)
         self._tower_strategy = strategies.current_strategy()
         self._tower_local_weights = None
+        self._gradient_is_missing = None
         self.loop = LoopState(self)
 
     @classmethod
@@ -133,18 +148,6 @@ class TowerModel(keras.Model):
     @property
     def num_towers(self):
         return self._tower_strategy.num_towers
-
-    def compile(self, *args, jit_compile="auto", **kwargs):
-        """As `keras.Model.compile`; gradients are reduced over towers before
-        the optimizer clips them. `jit_compile=True` is not supported yet."""
-        if jit_compile is True:
-            warnings.warn(
-                "kerastower: jit_compile=True is ignored; TowerModel steps are "
-                "compiled as tf.function graphs without XLA."
-            )
-        super().compile(*args, jit_compile=False, **kwargs)
-        if self.optimizer is not None:
-            adopt_optimizer(self.optimizer)
 
     # ------------------------------------------------------------------
     # Tower functions: called once per tower, under a TowerContext.
@@ -234,21 +237,20 @@ class TowerModel(keras.Model):
         must still join the all-reduce, but must not run the model: an empty
         batch gives NaN means (and TF's oneDNN MaxPool gradient aborts the
         process on it). It contributes zero gradients instead. A forward pass
-        that all-reduces (synchronized BatchNormalization) and strategies
-        whose updates need `merge_call` (CentralStorage) cannot be skipped on
-        some towers only; there the model runs on the empty batch.
+        that all-reduces (synchronized BatchNormalization) cannot be skipped
+        on some towers only: there the model runs on the empty batch, its
+        loss counted as zero.
         """
-        if (
-            self.num_towers == 1
-            or not self._tower_strategy.can_branch_in_towers
-            or any(getattr(layer, "synchronized", False) for layer in self._flatten_layers())
+        if self.num_towers == 1 or any(
+            getattr(layer, "synchronized", False) for layer in self._flatten_layers()
         ):
             return forward_backward()
-        missing = []
 
         def compute():
             gradients = forward_backward()
-            missing[:] = [g is None for g in gradients]
+            # Which variables get no gradient; eagerly, tf.cond runs one branch
+            # only, so an empty tower reuses what the last full step found.
+            self._gradient_is_missing = [g is None for g in gradients]
             return [
                 tf.zeros(v.shape, v.dtype) if g is None else tf.convert_to_tensor(g)
                 for g, v in zip(gradients, variables)
@@ -258,6 +260,7 @@ class TowerModel(keras.Model):
             return [tf.zeros(v.shape, v.dtype) for v in variables]
 
         gradients = tf.cond(num_examples > 0, compute, skip)
+        missing = self._gradient_is_missing or [False] * len(variables)
         return [None if m else g for g, m in zip(gradients, missing)]
 
     def test_step(self, data):
@@ -280,21 +283,36 @@ class TowerModel(keras.Model):
 
     def _replica_local_weights(self):
         """Non-trainable weights each tower updates on its own copy (e.g.
-        BatchNormalization's moving statistics), except those of layers that
-        synchronize across towers themselves."""
+        BatchNormalization's moving statistics), except those of frozen
+        layers and of layers that synchronize across towers themselves."""
         if self._tower_local_weights is None:
-            synchronized = {
+            # Frozen layers do not change in a step; synchronized ones agree.
+            skip = {
                 id(weight)
                 for layer in self._flatten_layers()
-                if getattr(layer, "synchronized", False)
+                if not layer.trainable or getattr(layer, "synchronized", False)
                 for weight in layer.weights
             }
             self._tower_local_weights = [
                 weight
                 for weight in self.non_trainable_weights
-                if weight.aggregation == "none" and id(weight) not in synchronized
+                if weight.aggregation == "none" and id(weight) not in skip
             ]
         return self._tower_local_weights
+
+    def _seed_towers_apart(self):
+        """Gives every tower its own random stream: tower i's seed generators
+        start from tower 0's state with the seed moved by i. Otherwise each
+        tower's copy holds the same state and Dropout draws the same masks on
+        every tower. Tower 0 (what is saved) keeps its stream."""
+        if self.num_towers == 1:
+            return
+        for layer in self._flatten_layers():
+            for generator in getattr(layer, "_seed_generators", []):
+                self._tower_strategy.assign_per_tower(
+                    generator.state.value,
+                    lambda index, main: main + tf.constant([index * 1_000_003, 0], main.dtype),
+                )
 
     def _follow_main_tower(self, ctx):
         """Copies the main tower's replica-local weights to every tower."""
@@ -322,15 +340,19 @@ class TowerModel(keras.Model):
             index = strategy.tower_index()
             name = f"predict_tower{index}" if mode == "predict" else None
             ctx = TowerContext(index, strategy.num_towers, is_training, name=name)
+            num_examples = _num_examples(data)
             with ctx, tf.summary.record_if(ctx.is_main_tower), forbid_variable_creation(
                 step_name
             ):
-                outputs = tower_step(data)
+                if mode == "test" and ctx.total > 1:
+                    outputs = _run_unless_empty(tower_step, data, num_examples)
+                else:
+                    outputs = tower_step(data)
                 if is_training:
                     self._follow_main_tower(ctx)
                 if mode != "predict":
                     _warn_unlogged_outputs(outputs, metric_keys, step_name)
-            return outputs, _num_examples(data)
+            return outputs, num_examples
 
         def run_towers(data):
             outputs, num_examples = strategy.run(tower_fn, args=(data,))
@@ -370,6 +392,13 @@ class TowerModel(keras.Model):
 
     def make_train_function(self, force=False):
         if self.train_function is None or force:
+            if self.jit_compile is True:
+                warnings.warn(
+                    "kerastower: jit_compile=True is not applied; TowerModel steps "
+                    "are compiled as tf.function graphs without XLA."
+                )
+            if self.optimizer is not None:
+                adopt_optimizer(self.optimizer)
             self.train_function = self._make_step_function(self.train_step, "train")
         return self.train_function
 
@@ -464,19 +493,27 @@ class TowerModel(keras.Model):
                 (x, y, sample_weight), validation_split=validation_split
             )
         if class_weight is not None:
+            if sample_weight is not None:
+                raise InputSourceError(
+                    "class_weight and sample_weight cannot both be given (as in "
+                    "Keras): fold the class weights into sample_weight."
+                )
             if not isinstance(y, np.ndarray):
                 raise InputSourceError(
                     "class_weight works with numpy arrays; for a dataset, add "
                     "per-example weights as its third element instead."
                 )
             sample_weight = data_adapter_utils.class_weight_to_sample_weights(y, class_weight)
-        source = as_input_source(x, y, sample_weight, batch_size, shuffle)
+        source = as_input_source(
+            x, y, sample_weight, batch_size, shuffle, repeat=bool(steps_per_epoch)
+        )
         val_source = None
         if validation_data is not None:
             val_source = self._validation_source(
                 validation_data, validation_batch_size or batch_size
             )
         self._build_for(source)
+        self._seed_towers_apart()
         steps = steps_per_epoch or source.steps(self.num_towers)
         if not isinstance(callbacks, keras.callbacks.CallbackList):
             callbacks = keras.callbacks.CallbackList(

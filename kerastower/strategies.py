@@ -3,7 +3,7 @@
 ```python
 import kerastower as kt
 
-@kt.distributed("mirrored")          # or "single", "central"
+@kt.distributed("mirrored")          # or "single"
 def train():
     model = build_model()            # variables are created under the strategy
     model.compile(optimizer="adam", loss="mse")
@@ -53,14 +53,6 @@ class TowerStrategy:
         return True
 
     @property
-    def can_branch_in_towers(self):
-        """Whether a tower step may update variables inside `tf.cond`: not
-        under CentralStorageStrategy, whose updates go through merge_call."""
-        return not isinstance(
-            self.tf_strategy, tf.distribute.experimental.CentralStorageStrategy
-        )
-
-    @property
     def num_towers(self):
         return self.tf_strategy.num_replicas_in_sync
 
@@ -97,6 +89,14 @@ class TowerStrategy:
             return list(values)
         replica_ctx = tf.distribute.get_replica_context()
         return replica_ctx.all_reduce(tf.distribute.ReduceOp.SUM, list(values))
+
+    def assign_per_tower(self, variable, value_fn):
+        """Sets tower i's copy of a replica-local variable to
+        `value_fn(i, tower 0's value)`; outside any step."""
+        copies = self.tower_values(variable)
+        main = tf.convert_to_tensor(copies[0])
+        for index, copy in enumerate(copies):
+            copy.assign(value_fn(index, main))
 
     def distribute(self, dataset_fn, per_tower):
         """Turns an input pipeline into a source of per-tower batches.
@@ -165,17 +165,15 @@ def _make_mirrored(devices):
 
 
 def _make_central(devices):
-    devices = list(devices) if devices is not None else _default_devices()
-    # Variables live on one device (the CPU, or the only GPU), as in
-    # tensorpack's SyncMultiGPUTrainerParameterServer; towers compute on
-    # `devices` and their gradients are summed onto that device.
-    gpus = [d for d in devices if "GPU" in d.upper()]
-    parameter_device = gpus[0] if len(gpus) == 1 else "/cpu:0"
-    return TowerStrategy(
-        "central",
-        tf.distribute.experimental.CentralStorageStrategy(
-            compute_devices=devices, parameter_device=parameter_device
-        ),
+    raise StrategyError(
+        '"central" (tf.distribute.experimental.CentralStorageStrategy: '
+        "variables on one device, like tensorpack's "
+        "SyncMultiGPUTrainerParameterServer) does not work with Keras 3: "
+        "Keras's metrics update summing variables as assign(value + x), which "
+        "that strategy counts once per tower (wrong logs, inexact evaluation), "
+        "and BatchNormalization, Dropout and every random layer fail on its "
+        "variables. Use \"mirrored\": the same synchronous updates, with "
+        "variables replicated on every tower."
     )
 
 
@@ -236,8 +234,8 @@ class distributed:
     Args:
         name: one of `kt.strategy_names()`: "single" (one device), "mirrored"
             (one tower per device, variables mirrored, gradients all-reduced),
-            "central" (one tower per device, variables kept on one device,
-            like tensorpack's SyncMultiGPUTrainerParameterServer).
+            "central" (raises: CentralStorageStrategy does not work with
+            Keras 3; the error says why).
         devices: device names, e.g. ["/gpu:0", "/gpu:1"]; default: all GPUs,
             or all logical CPU devices when there is no GPU.
 

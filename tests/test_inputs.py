@@ -173,3 +173,40 @@ def test_bad_inputs_get_clear_errors(two_towers):
     finite = tf.data.Dataset.from_tensor_slices((x, y)).batch(2)
     with pytest.raises(kt.InputSourceError, match=r"ran out after 2 of steps_per_epoch=5.*repeat\(\)"):
         model.fit(finite, steps_per_epoch=5, verbose=0)
+
+
+def test_several_inputs_as_a_list_or_tuple(two_towers):
+    import keras
+
+    rng = np.random.default_rng(0)
+    x1 = rng.normal(size=(20, 3)).astype("float32")
+    x2 = rng.normal(size=(20, 5)).astype("float32")
+    y = rng.normal(size=(20, 1)).astype("float32")
+    a, b = keras.Input((3,)), keras.Input((5,))
+    out = keras.layers.Dense(1)(keras.layers.Concatenate()([a, b]))
+    model = kt.TowerModel([a, b], out)
+    model.compile(optimizer="sgd", loss="mse")
+    model.fit([x1, x2], y, batch_size=4, verbose=0)
+    assert np.isfinite(model.evaluate((x1, x2), y, batch_size=4, verbose=0))
+    assert model.predict([x1, x2], batch_size=3, verbose=0).shape == (20, 1)
+    assert model.predict((x1, x2), batch_size=3, verbose=0).shape == (20, 1)
+
+
+def test_weights_arguments_are_checked(two_towers):
+    x, y = id_data(8)
+    model = mlp()
+    with pytest.raises(kt.InputSourceError, match="sample_weight was given without y"):
+        model.fit(x, None, sample_weight=np.ones(8), verbose=0)
+    with pytest.raises(kt.InputSourceError, match="class_weight and sample_weight cannot both"):
+        model.fit(x, y, sample_weight=np.ones(8), class_weight={0: 1.0, 1: 1.0, 2: 1.0}, verbose=0)
+
+
+def test_arrays_with_steps_per_epoch_run_as_an_endless_source(two_towers):
+    x, y = id_data(16)
+    recorder = Recorder()
+    model = mlp(recorder)
+    model.fit(x, y, batch_size=4, steps_per_epoch=3, epochs=3, verbose=0)  # 9 steps > 2 per pass
+    assert model.loop.global_step == 9
+    seen = _train_ids(recorder)
+    first_pass = sorted(i for t in (0, 1) for b in seen[t][:2] for i in b)
+    assert first_pass == list(range(16))

@@ -30,6 +30,11 @@ def test_model_checkpoint_saves_a_model_that_loads_and_predicts_the_same(two_tow
     restored = keras.models.load_model(str(tmp_path / "epoch2.keras"))
     assert isinstance(restored, kt.TowerModel)
     np.testing.assert_allclose(restored.predict(x, verbose=0), model.predict(x, verbose=0), atol=1e-6)
+    # It comes back compiled, optimizer state included, and trains on.
+    assert restored.optimizer.iterations.numpy() == model.optimizer.iterations.numpy()
+    assert restored.evaluate(x, y, verbose=0, return_dict=True)["loss"] == pytest.approx(
+        model.evaluate(x, y, verbose=0, return_dict=True)["loss"], rel=1e-5)
+    restored.fit(x, y, batch_size=8, verbose=0)
 
 
 def test_model_checkpoint_best_only_weights(two_towers, tmp_path):

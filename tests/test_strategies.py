@@ -32,6 +32,12 @@ def test_decorator_and_context_manager_are_the_same_object():
     assert mlp().num_towers == 1
 
 
+def test_central_raises_and_says_why_and_what_to_use():
+    with pytest.raises(kt.StrategyError, match=r"does not work with Keras 3.*Use \"mirrored\""):
+        with kt.distributed("central", devices=TWO):
+            pass
+
+
 def test_default_mirrored_devices_are_all_logical_cpus():
     with kt.distributed("mirrored") as strategy:
         assert strategy.num_towers == 4

@@ -233,3 +233,40 @@ def test_batchnorm_statistics_follow_the_main_tower_or_all_towers(synchronized):
     for copy in copies:
         np.testing.assert_allclose(copy, expected, rtol=1e-6)
     np.testing.assert_allclose(model.get_weights()[2], expected, rtol=1e-6)
+
+
+def test_towers_draw_their_own_random_numbers(two_towers):
+    """Dropout must not draw the same mask on every tower."""
+    masks = {}
+
+    class MaskProbe(keras.layers.Layer):
+        def call(self, x):
+            ctx = kt.get_current_tower_context()
+            if ctx is not None and ctx.is_training:
+                def keep(m, index=ctx.index):
+                    masks.setdefault(index, []).append(np.asarray(m) != 0)
+                    return np.int32(0)
+
+                token = tf.numpy_function(keep, [x], tf.int32, stateful=True)
+                with tf.control_dependencies([token]):
+                    x = tf.identity(x)
+            return x
+
+    inputs = keras.Input((64,))
+    out = keras.layers.Dense(1)(MaskProbe()(keras.layers.Dropout(0.5)(inputs)))
+    model = kt.TowerModel(inputs, out)
+    model.compile(optimizer="sgd", loss="mse")
+    ones = np.ones((16, 64), "float32")
+    model.fit(ones, np.zeros((16, 1), "float32"), batch_size=4, verbose=0)
+    assert len(masks[0]) == len(masks[1]) == 2
+    for m0, m1 in zip(masks[0], masks[1]):
+        assert (m0 != m1).mean() > 0.2
+
+
+def test_frozen_layers_are_not_copied_between_towers(two_towers):
+    inputs = keras.Input((4,))
+    frozen = keras.layers.Dense(8, trainable=False)
+    bn = keras.layers.BatchNormalization()
+    model = kt.TowerModel(inputs, keras.layers.Dense(1)(bn(frozen(inputs))))
+    local = {id(w) for w in model._replica_local_weights()}
+    assert local == {id(bn.moving_mean), id(bn.moving_variance)}
