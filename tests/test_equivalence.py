@@ -18,7 +18,7 @@ def _data(n=64, seed=3):
     return x, y
 
 
-def _model(optimizer, weights=None):
+def _model(optimizer, weights=None, **compile_kwargs):
     inputs = keras.Input((5,))
     h = keras.layers.Dense(16, activation="tanh")(inputs)
     model = kt.TowerModel(inputs, keras.layers.Dense(3)(h))
@@ -26,6 +26,7 @@ def _model(optimizer, weights=None):
         optimizer=optimizer,
         loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
         metrics=["accuracy"],
+        **compile_kwargs,
     )
     if weights is not None:
         model.set_weights(weights)
@@ -89,12 +90,7 @@ def test_steps_per_execution_gives_the_same_weights():
 
     def run(k):
         with kt.distributed("mirrored", devices=TWO):
-            model = _model(keras.optimizers.Adam(0.02), weights)
-            model.compile(
-                optimizer=keras.optimizers.Adam(0.02),
-                loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
-                steps_per_execution=k,
-            )
+            model = _model(keras.optimizers.Adam(0.02), weights, steps_per_execution=k)
             history = model.fit(x, y, batch_size=B, epochs=2, shuffle=False, verbose=0)
             return model, history
 
@@ -109,9 +105,7 @@ def test_steps_per_execution_gives_the_same_weights():
 def test_steps_per_execution_stops_at_the_end_of_uneven_data():
     x, y = _data(40)  # 5 batches of 8 -> 3 steps on 2 towers, the last half empty
     with kt.distributed("mirrored", devices=TWO):
-        model = _model(keras.optimizers.SGD(0.1))
-        model.compile(optimizer=keras.optimizers.SGD(0.1), loss="sparse_categorical_crossentropy",
-                      steps_per_execution=4)
+        model = _model(keras.optimizers.SGD(0.1), steps_per_execution=4)
         model.fit(x, y, batch_size=B, epochs=2, shuffle=False, verbose=0)
     assert model.optimizer.iterations.numpy() == 6
 
@@ -171,9 +165,7 @@ def test_run_eagerly_with_an_uneven_last_step_equals_graph_mode():
 
     def train(run_eagerly):
         with kt.distributed("mirrored", devices=TWO):
-            model = _model(keras.optimizers.SGD(0.3), weights)
-            model.compile(optimizer=keras.optimizers.SGD(0.3), run_eagerly=run_eagerly,
-                          loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+            model = _model(keras.optimizers.SGD(0.3), weights, run_eagerly=run_eagerly)
             model.fit(x, y, batch_size=B, shuffle=False, verbose=0)
             return model
 

@@ -133,9 +133,6 @@ def test_generator_input_runs_ahead_of_the_step(two_towers):
     model = mlp(recorder)
     ahead = []
 
-    class Watch(kt.TowerModel):
-        pass
-
     def note_ahead(batch, logs):
         consumed = 2 * (batch + 1)
         ahead.append(len(produced) - consumed)

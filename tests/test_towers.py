@@ -125,7 +125,7 @@ def test_functional_use_leaves_the_classes_untouched(two_towers):
     rewriting its bases; TowerModel and its subclasses must stay as written."""
 
     class Custom(kt.TowerModel):
-        pass
+        """A subclass used functionally."""
 
     inputs = keras.Input((4,))
     outputs = keras.layers.Dense(2)(inputs)
