@@ -149,6 +149,24 @@ class TowerModel(keras.Model):
     def num_towers(self):
         return self._tower_strategy.num_towers
 
+    def compile(self, *args, jit_compile="auto", **kwargs):
+        """As `keras.Model.compile`. TowerModel steps run without XLA:
+        `jit_compile=True` warns and is not applied."""
+        if jit_compile is True:
+            warnings.warn(
+                "kerastower: jit_compile=True is not applied; TowerModel steps "
+                "are compiled as tf.function graphs without XLA."
+            )
+        super().compile(*args, jit_compile=False, **kwargs)
+
+    def compile_from_config(self, config):
+        """Compiles a loaded model as Keras would; needed because `compile`
+        is overridden above."""
+        config = keras.saving.deserialize_keras_object(config)
+        self.compile(**config)
+        if self.optimizer is not None and self.built:
+            self.optimizer.build(self.trainable_variables)
+
     # ------------------------------------------------------------------
     # Tower functions: called once per tower, under a TowerContext.
 
@@ -392,11 +410,6 @@ class TowerModel(keras.Model):
 
     def make_train_function(self, force=False):
         if self.train_function is None or force:
-            if self.jit_compile is True:
-                warnings.warn(
-                    "kerastower: jit_compile=True is not applied; TowerModel steps "
-                    "are compiled as tf.function graphs without XLA."
-                )
             if self.optimizer is not None:
                 adopt_optimizer(self.optimizer)
             self.train_function = self._make_step_function(self.train_step, "train")

@@ -270,3 +270,15 @@ def test_frozen_layers_are_not_copied_between_towers(two_towers):
     model = kt.TowerModel(inputs, keras.layers.Dense(1)(bn(frozen(inputs))))
     local = {id(w) for w in model._replica_local_weights()}
     assert local == {id(bn.moving_mean), id(bn.moving_variance)}
+
+
+def test_jit_compile_true_warns_and_the_default_does_not(two_towers):
+    import warnings
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        mlp()
+        mlp(jit_compile="auto")
+    assert not [w for w in caught if "jit_compile" in str(w.message)]
+    with pytest.warns(UserWarning, match="jit_compile=True is not applied"):
+        mlp(jit_compile=True)
