@@ -65,8 +65,13 @@ class InputSource:
     def _tower_dataset(self, ctx):
         raise NotImplementedError
 
-    def distribute(self, strategy):
-        """The per-tower batches of this source on a `TowerStrategy`."""
+    def distribute(self, strategy, skip_batches=None):
+        """The per-tower batches of this source on a `TowerStrategy`.
+
+        `skip_batches[i]` batches that tower i took before (a resumed run)
+        are skipped: a shared pipeline skips their sum, so a deterministic
+        pipeline goes on exactly where it stopped.
+        """
         total = strategy.num_towers
         common_spec = None
         if self.per_tower and total > 1:
@@ -77,6 +82,9 @@ class InputSource:
         def dataset_fn(input_context):
             index = input_context.input_pipeline_id if self.per_tower else 0
             dataset = self.tower_dataset(TowerInputContext(index, total))
+            if skip_batches is not None:
+                skip = skip_batches[index] if self.per_tower else sum(skip_batches)
+                dataset = dataset.skip(skip)
             if common_spec is not None:
                 dataset = _relax_to(dataset, common_spec)
             return dataset
@@ -291,7 +299,10 @@ class _ArrayInput(DatasetInput):
             )
         dataset = tf.data.Dataset.from_tensor_slices(element)
         if shuffle:
-            dataset = dataset.shuffle(lengths.pop(), reshuffle_each_iteration=True)
+            # An explicit seed (from numpy's generator, which
+            # keras.utils.set_random_seed seeds) makes the order replayable.
+            seed = int(np.random.randint(2**31 - 1))
+            dataset = dataset.shuffle(lengths.pop(), seed=seed, reshuffle_each_iteration=True)
         dataset = dataset.batch(batch_size)
         if repeat:
             dataset = dataset.repeat()

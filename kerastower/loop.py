@@ -26,6 +26,9 @@ class LoopState:
         local_step: steps done in the current epoch.
         global_step: optimizer steps done, continuous across epochs, `fit`
             calls and resumed runs (it is the optimizer's iteration count).
+        tower_batches: batches each tower has taken from the input in this
+            run (since the current pass began, when an epoch is one pass):
+            the input position a checkpoint records.
 
     Example:
 
@@ -44,6 +47,7 @@ class LoopState:
         self.steps_per_epoch = None
         self.epoch_num = 0
         self.local_step = 0
+        self.tower_batches = []
 
     @property
     def global_step(self):

@@ -383,12 +383,14 @@ class TowerModel(keras.Model):
                 lambda v: tf.concat(strategy.tower_values(v), axis=0), outputs
             )
             examples = tf.reduce_sum(tower_examples)
-            return tf.cast(examples > 0, tf.int32), examples, tower_examples, outputs
+            ran = tf.cast(examples > 0, tf.int32)
+            return ran, examples, tower_examples, tf.cast(tower_examples > 0, tf.int32), outputs
 
         def function(iterator, num_steps):
             steps = tf.constant(0)
             examples = tf.constant(0)
             tower_examples = tf.zeros([strategy.num_towers], tf.int32)
+            tower_batches = tf.zeros([strategy.num_towers], tf.int32)
             # An optional tells "no data left for any tower" (stop) from a
             # last step where only some towers got a batch (run it).
             for _ in tf.range(num_steps):
@@ -397,10 +399,12 @@ class TowerModel(keras.Model):
                     break
                 _, tower_examples = run_towers(optional.get_value())
                 examples += tf.reduce_sum(tower_examples)
+                tower_batches += tf.cast(tower_examples > 0, tf.int32)
                 steps += 1
             # Metrics read across towers sum every tower's totals and counts:
             # the logs are example-weighted over towers.
-            return steps, examples, tower_examples, self.get_metrics_result()
+            logs = self.get_metrics_result()
+            return steps, examples, tower_examples, tower_batches, logs
 
         if mode == "predict":
             function = predict_function
@@ -454,12 +458,15 @@ class TowerModel(keras.Model):
         self._tower_local_weights = None
 
     def _run_steps(self, function, iterator, num_steps):
-        """Runs up to `num_steps` steps; returns (steps run, outputs, tower examples)."""
+        """Runs up to `num_steps` steps; returns (steps run, outputs, tower
+        examples of the last step, batches each tower took)."""
         try:
-            steps, _, tower_examples, outputs = function(iterator, tf.constant(num_steps))
+            steps, _, tower_examples, tower_batches, outputs = function(
+                iterator, tf.constant(num_steps)
+            )
         except tf.errors.OutOfRangeError:
-            return 0, None, None
-        return int(steps), outputs, tower_examples
+            return 0, None, None, 0
+        return int(steps), outputs, tower_examples, np.asarray(tower_batches, np.int64)
 
     def _announce_total_batch(self, tower_examples, verbose):
         if self._announced_batch or verbose == 0:
@@ -540,34 +547,48 @@ class TowerModel(keras.Model):
             )
         self.stop_training = False
         self._announced_batch = False
+        self._resume_state = None
         train_function = self.make_train_function()
-        distributed = source.distribute(self._tower_strategy)
-        iterator = iter(distributed) if steps_per_epoch else None
         self.loop.starting_epoch = initial_epoch + 1
         self.loop.max_epoch = epochs
         self.loop.steps_per_epoch = steps
+        self.loop.tower_batches = [0] * self.num_towers
         callbacks.on_train_begin()
-        # BackupAndRestore sets the epoch to resume at in on_train_begin.
+        # BackupAndRestore and AutoResume set where to resume in on_train_begin.
         initial_epoch = self._initial_epoch or initial_epoch
+        first_step, skip_batches = self._resume_position(steps_per_epoch)
+        if self._resume_state is not None:
+            initial_epoch = self._resume_state["epoch_num"] - (1 if first_step else 0)
         self.loop.starting_epoch = initial_epoch + 1
+        self._tower_batches_taken = np.asarray(
+            skip_batches if skip_batches is not None else [0] * self.num_towers, np.int64
+        )
+        distributed = source.distribute(self._tower_strategy, skip_batches=skip_batches)
+        iterator = iter(distributed) if steps_per_epoch else None
         logs, training_logs = {}, None
         for epoch in range(initial_epoch, epochs):
             self.reset_metrics()
             self.loop.epoch_num = epoch + 1
-            self.loop.local_step = step = 0
+            self.loop.local_step = step = first_step
+            first_step = 0
             callbacks.on_epoch_begin(epoch)
             if not steps_per_epoch:
                 iterator = iter(distributed)
+                self._tower_batches_taken[:] = 0
             while not steps_per_epoch or step < steps_per_epoch:
                 want = self.steps_per_execution
                 if steps_per_epoch:
                     want = min(want, steps_per_epoch - step)
                 callbacks.on_train_batch_begin(step)
-                ran, outputs, tower_examples = self._run_steps(train_function, iterator, want)
+                ran, outputs, tower_examples, tower_batches = self._run_steps(
+                    train_function, iterator, want
+                )
                 if ran:
                     logs = outputs
                     step += ran
+                    self._tower_batches_taken += tower_batches
                     self.loop.local_step = step
+                    self.loop.tower_batches = self._tower_batches_taken.tolist()
                     self._announce_total_batch(tower_examples, verbose)
                     callbacks.on_train_batch_end(step - 1, logs)
                 if ran < want:
@@ -593,6 +614,18 @@ class TowerModel(keras.Model):
             self.optimizer.finalize_variable_values(self.trainable_weights)
         callbacks.on_train_end(logs=training_logs)
         return self.history
+
+    def _resume_position(self, steps_per_epoch):
+        """(first step of the first epoch, batches each tower already took)
+        from the state AutoResume restored in on_train_begin, if any."""
+        state = self._resume_state
+        if state is None:
+            return 0, None
+        if not steps_per_epoch:
+            # One pass per epoch: the pass restarts, so resume at the epoch's start.
+            return 0, None
+        local_step = state["local_step"] if state["local_step"] < steps_per_epoch else 0
+        return local_step, state["tower_batches"]
 
     def _callbacks_for_this_process(self, callbacks):
         """Drops `chief_only` callbacks on processes that are not the chief."""
@@ -665,7 +698,7 @@ class TowerModel(keras.Model):
         while not steps or step < steps:
             want = self.steps_per_execution if not steps else min(self.steps_per_execution, steps - step)
             callbacks.on_test_batch_begin(step)
-            ran, outputs, _ = self._run_steps(test_function, iterator, want)
+            ran, outputs, _, _ = self._run_steps(test_function, iterator, want)
             if ran:
                 logs = outputs
                 step += ran
@@ -703,7 +736,7 @@ class TowerModel(keras.Model):
         batches, step = [], 0
         while not steps or step < steps:
             callbacks.on_predict_batch_begin(step)
-            ran, outputs, _ = self._run_steps(predict_function, iterator, 1)
+            ran, outputs, _, _ = self._run_steps(predict_function, iterator, 1)
             if not ran:  # no tower had data left
                 break
             batches.append(outputs)
