@@ -12,6 +12,7 @@ def train():
 """
 
 from kerastower import callbacks
+from kerastower import checkpoint
 from kerastower.errors import InputSourceError
 from kerastower.errors import KerasTowerError
 from kerastower.errors import StrategyError
@@ -34,6 +35,7 @@ __version__ = "0.1.0"
 
 __all__ = [
     "callbacks",
+    "checkpoint",
     "DatasetInput",
     "DummyConstantInput",
     "GeneratorInput",

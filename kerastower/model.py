@@ -56,6 +56,14 @@ def _num_examples(data):
     return tf.shape(first)[0]
 
 
+class _StepCache:
+    """What the step functions remember between traces."""
+
+    def __init__(self):
+        self.local_weights = None
+        self.gradient_is_missing = None
+
+
 def _run_unless_empty(test_step, data, num_examples):
     """Runs `test_step(data)` unless the batch is empty; returns its outputs
     (None when it did not run). An empty batch would add zero losses with a
@@ -116,8 +124,10 @@ class TowerModel(keras.Model):
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
         self._tower_strategy = strategies.current_strategy()
-        self._tower_local_weights = None
-        self._gradient_is_missing = None
+        # Lists of variables set as model attributes would be tracked by Keras
+        # as the model's own variables (reordering model.variables); a plain
+        # holder keeps these caches out of its sight.
+        self._step_cache = _StepCache()
         self.loop = LoopState(self)
 
     @classmethod
@@ -268,7 +278,7 @@ class TowerModel(keras.Model):
             gradients = forward_backward()
             # Which variables get no gradient; eagerly, tf.cond runs one branch
             # only, so an empty tower reuses what the last full step found.
-            self._gradient_is_missing = [g is None for g in gradients]
+            self._step_cache.gradient_is_missing = [g is None for g in gradients]
             return [
                 tf.zeros(v.shape, v.dtype) if g is None else tf.convert_to_tensor(g)
                 for g, v in zip(gradients, variables)
@@ -278,7 +288,7 @@ class TowerModel(keras.Model):
             return [tf.zeros(v.shape, v.dtype) for v in variables]
 
         gradients = tf.cond(num_examples > 0, compute, skip)
-        missing = self._gradient_is_missing or [False] * len(variables)
+        missing = self._step_cache.gradient_is_missing or [False] * len(variables)
         return [None if m else g for g, m in zip(gradients, missing)]
 
     def test_step(self, data):
@@ -303,7 +313,7 @@ class TowerModel(keras.Model):
         """Non-trainable weights each tower updates on its own copy (e.g.
         BatchNormalization's moving statistics), except those of frozen
         layers and of layers that synchronize across towers themselves."""
-        if self._tower_local_weights is None:
+        if self._step_cache.local_weights is None:
             # Frozen layers do not change in a step; synchronized ones agree.
             skip = {
                 id(weight)
@@ -311,12 +321,12 @@ class TowerModel(keras.Model):
                 if not layer.trainable or getattr(layer, "synchronized", False)
                 for weight in layer.weights
             }
-            self._tower_local_weights = [
+            self._step_cache.local_weights = [
                 weight
                 for weight in self.non_trainable_weights
                 if weight.aggregation == "none" and id(weight) not in skip
             ]
-        return self._tower_local_weights
+        return self._step_cache.local_weights
 
     def _seed_towers_apart(self):
         """Gives every tower its own random stream: tower i's seed generators
@@ -331,6 +341,11 @@ class TowerModel(keras.Model):
                     generator.state.value,
                     lambda index, main: main + tf.constant([index * 1_000_003, 0], main.dtype),
                 )
+
+    def _after_restore(self):
+        """After variables were restored (one value for all towers): spread
+        the towers' random streams apart again."""
+        self._seed_towers_apart()
 
     def _follow_main_tower(self, ctx):
         """Copies the main tower's replica-local weights to every tower."""
@@ -455,7 +470,7 @@ class TowerModel(keras.Model):
                     lambda s: keras.KerasTensor(s.shape, s.dtype.name), x
                 )
                 keras_backend.compute_output_spec(self._call_tower, x, training=False)
-        self._tower_local_weights = None
+        self._step_cache.local_weights = None
 
     def _run_steps(self, function, iterator, num_steps):
         """Runs up to `num_steps` steps; returns (steps run, outputs, tower

@@ -282,3 +282,18 @@ def test_jit_compile_true_warns_and_the_default_does_not(two_towers):
     assert not [w for w in caught if "jit_compile" in str(w.message)]
     with pytest.warns(UserWarning, match="jit_compile=True is not applied"):
         mlp(jit_compile=True)
+
+
+def test_training_does_not_reorder_the_model_variables(two_towers):
+    """Keras tracks lists of variables set as model attributes as the model's
+    own variables; kerastower's caches must not, or get_weights() order and
+    checkpoints would change after fit."""
+    inputs = keras.Input((4,))
+    h = keras.layers.BatchNormalization()(keras.layers.Dropout(0.2)(keras.layers.Dense(8)(inputs)))
+    model = kt.TowerModel(inputs, keras.layers.Dense(1)(h))
+    model.compile(optimizer="sgd", loss="mse")
+    before = [id(v) for v in model.variables]
+    shapes = [w.shape for w in model.get_weights()]
+    model.fit(np.ones((16, 4)), np.ones((16, 1)), batch_size=4, verbose=0)
+    assert [id(v) for v in model.variables] == before
+    assert [w.shape for w in model.get_weights()] == shapes

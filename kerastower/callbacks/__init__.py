@@ -8,15 +8,23 @@ from kerastower.callbacks.param import HyperParamSetter
 from kerastower.callbacks.param import HyperParamSetterWithFunc
 from kerastower.callbacks.param import ScheduledHyperParamSetter
 from kerastower.callbacks.param import StatMonitorParamSetter
+from kerastower.callbacks.saver import AutoResume
+from kerastower.callbacks.saver import MaxSaver
+from kerastower.callbacks.saver import MinSaver
+from kerastower.callbacks.saver import ModelSaver
 from kerastower.callbacks.trigger import EnableCallbackIf
 from kerastower.callbacks.trigger import PeriodicTrigger
 from kerastower.callbacks.trigger import ProxyCallback
 
 __all__ = [
+    "AutoResume",
     "Callback",
     "EnableCallbackIf",
     "HyperParamSetter",
     "HyperParamSetterWithFunc",
+    "MaxSaver",
+    "MinSaver",
+    "ModelSaver",
     "PeriodicTrigger",
     "ProxyCallback",
     "ScheduledHyperParamSetter",
