@@ -89,3 +89,41 @@ def test_min_and_max_savers_keep_the_best_model(two_towers, tmp_path):
     assert high.best == pytest.approx(max(history.history["accuracy"]))
     assert sorted(os.listdir(tmp_path)) == ["best-acc.keras", "min-loss.keras"]
     assert isinstance(keras.models.load_model(str(tmp_path / "min-loss.keras")), kt.TowerModel)
+
+
+def test_sigkill_mid_epoch_then_resume_is_bit_equal(tmp_path):
+    """A real process killed with SIGKILL in the middle of an epoch, resumed
+    by a new process, ends with the weights of an uninterrupted run."""
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    script = os.path.join(os.path.dirname(__file__), "resume_script.py")
+
+    def run(ckpt, out, *flags):
+        return subprocess.run([sys.executable, script, str(ckpt), str(out), *flags],
+                              capture_output=True, text=True, timeout=300)
+
+    whole = run(tmp_path / "a", tmp_path / "a.npz")
+    assert whole.returncode == 0, whole.stderr[-2000:]
+
+    killed_dir = tmp_path / "b"
+    process = subprocess.Popen([sys.executable, script, str(killed_dir), str(tmp_path / "x.npz"), "--slow"],
+                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.time() + 240
+    while not (killed_dir / "ckpt-00000008").exists():  # step 8: epoch 2, step 3 of 5
+        assert process.poll() is None and time.time() < deadline, "the run ended before being killed"
+        time.sleep(0.05)
+    process.send_signal(signal.SIGKILL)
+    process.wait()
+    assert process.returncode == -signal.SIGKILL
+    assert not (tmp_path / "x.npz").exists()
+
+    resumed = run(killed_dir, tmp_path / "b.npz")
+    assert resumed.returncode == 0, resumed.stderr[-2000:]
+    assert "ckpt-00000008" in resumed.stdout  # resumed mid-epoch, at epoch 2 step 3
+    a, b = np.load(tmp_path / "a.npz"), np.load(tmp_path / "b.npz")
+    assert int(a["step"]) == int(b["step"]) == 20
+    for key in a.files:
+        np.testing.assert_array_equal(a[key], b[key], err_msg=key)
