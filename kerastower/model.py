@@ -225,6 +225,22 @@ class TowerModel(keras.Model):
         with gradients_already_reduced():
             self.optimizer.apply(reduced, [v for _, v in pairs])
 
+    def run_on_towers(self, fn, data, is_training=False):
+        """Calls `fn(tower_data)` once per tower under its TowerContext.
+
+        `data` is one step's per-tower batches (what the distributed iterator
+        of an InputSource gives); returns the per-tower results, whose values
+        `self.tower_strategy.tower_values(result)` lists in tower order.
+        """
+        strategy = self._tower_strategy
+
+        def in_tower(tower_data):
+            index = strategy.tower_index()
+            with TowerContext(index, strategy.num_towers, is_training):
+                return fn(tower_data)
+
+        return strategy.run(in_tower, args=(data,))
+
     def _call_tower(self, x, training):
         if self._call_has_training_arg:
             return self(x, training=training)

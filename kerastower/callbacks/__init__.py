@@ -4,6 +4,10 @@ They mix freely with Keras callbacks in one `callbacks=[...]` list.
 """
 
 from kerastower.callbacks.base import Callback
+from kerastower.callbacks.inference import ClassificationError
+from kerastower.callbacks.inference import InferenceRunner
+from kerastower.callbacks.inference import Inferencer
+from kerastower.callbacks.inference import ScalarStats
 from kerastower.callbacks.param import HyperParamSetter
 from kerastower.callbacks.param import HyperParamSetterWithFunc
 from kerastower.callbacks.param import ScheduledHyperParamSetter
@@ -19,14 +23,18 @@ from kerastower.callbacks.trigger import ProxyCallback
 __all__ = [
     "AutoResume",
     "Callback",
+    "ClassificationError",
     "EnableCallbackIf",
     "HyperParamSetter",
     "HyperParamSetterWithFunc",
+    "InferenceRunner",
+    "Inferencer",
     "MaxSaver",
     "MinSaver",
     "ModelSaver",
     "PeriodicTrigger",
     "ProxyCallback",
+    "ScalarStats",
     "ScheduledHyperParamSetter",
     "StatMonitorParamSetter",
 ]

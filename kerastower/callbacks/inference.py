@@ -1,0 +1,174 @@
+"""Inference on validation sources during training, data-parallel and exact.
+
+```python
+import kerastower as kt
+
+kt.callbacks.InferenceRunner(
+    (x_val, y_val),                       # or a dataset / InputSource
+    [kt.callbacks.ScalarStats(["loss", "accuracy"]),  # -> val_loss, val_accuracy
+     kt.callbacks.ClassificationError()],              # -> val_error
+)
+```
+
+Every example is counted once: the towers take successive batches of the
+source, towers left without a batch at the end contribute nothing, and sums
+are exact counts. Results are added to the epoch logs, so Keras callbacks
+later in the list (History, CSVLogger, EarlyStopping, ...) see them.
+"""
+
+import numpy as np
+import tensorflow as tf
+from keras.src.trainers.data_adapters import data_adapter_utils
+
+from kerastower.callbacks.base import Callback
+from kerastower.inputs import InputSource
+from kerastower.inputs import as_input_source
+
+__all__ = ["InferenceRunner", "Inferencer", "ScalarStats", "ClassificationError"]
+
+
+class Inferencer:
+    """One kind of result an InferenceRunner computes over a source.
+
+    Subclasses implement `_batch_sums(y, y_pred, sample_weight)`, returning a
+    dict of scalar sums for one tower's batch, and `_results(sums)`, turning
+    the sums over the whole source into the named results. `ScalarStats`
+    instead asks the model's compiled metrics.
+    """
+
+    def _batch_sums(self, y, y_pred, sample_weight):
+        raise NotImplementedError
+
+    def _results(self, sums):
+        raise NotImplementedError
+
+
+class ScalarStats(Inferencer):
+    """The model's compiled loss and metrics on the source, named
+    `<prefix>_<name>`.
+
+    Args:
+        names: metric names as in the training logs ("loss", "accuracy").
+        prefix: what the results start with.
+    """
+
+    def __init__(self, names=("loss",), prefix="val"):
+        self.names = [names] if isinstance(names, str) else list(names)
+        self.prefix = prefix
+
+
+class ClassificationError(Inferencer):
+    """The fraction of examples whose arg-max prediction is not the label.
+
+    Labels may be class indices or one-hot; `sample_weight` weights the
+    examples when the source gives one.
+    """
+
+    def __init__(self, summary_name="val_error"):
+        self.summary_name = summary_name
+
+    def _batch_sums(self, y, y_pred, sample_weight):
+        y_pred = tf.convert_to_tensor(y_pred)
+        predicted = tf.argmax(y_pred, axis=-1, output_type=tf.int64)
+        labels = tf.convert_to_tensor(y)
+        if labels.shape.rank == y_pred.shape.rank and y_pred.shape[-1] != 1:
+            labels = tf.argmax(labels, axis=-1, output_type=tf.int64)
+        labels = tf.reshape(tf.cast(labels, tf.int64), tf.shape(predicted))
+        weights = (
+            tf.ones_like(predicted, tf.float64)
+            if sample_weight is None
+            else tf.reshape(tf.cast(sample_weight, tf.float64), tf.shape(predicted))
+        )
+        wrong = tf.cast(tf.not_equal(predicted, labels), tf.float64)
+        return {"wrong": tf.reduce_sum(wrong * weights), "total": tf.reduce_sum(weights)}
+
+    def _results(self, sums):
+        return {self.summary_name: float(sums["wrong"] / max(sums["total"], 1e-12))}
+
+
+class InferenceRunner(Callback):
+    """Runs inferencers over a validation source whenever triggered (by
+    default, at the end of every epoch) and adds their results to the logs.
+
+    Args:
+        source: an InputSource, a `tf.data.Dataset`, or `(x, y)` /
+            `(x, y, sample_weight)` arrays (batched with `batch_size` per tower).
+        inferencers: a list of `ScalarStats`, `ClassificationError`, or other
+            `Inferencer`s.
+        batch_size: per-tower batch for arrays (default 32).
+    """
+
+    def __init__(self, source, inferencers, batch_size=None):
+        super().__init__()
+        if isinstance(source, (tuple, list)) and not isinstance(source, InputSource):
+            x, y, sample_weight = data_adapter_utils.unpack_x_y_sample_weight(tuple(source))
+            source = as_input_source(x, y, sample_weight, batch_size)
+        else:
+            source = as_input_source(source, batch_size=batch_size)
+        self.source = source
+        self.inferencers = list(inferencers)
+        for inferencer in self.inferencers:
+            if not isinstance(inferencer, Inferencer):
+                raise TypeError(
+                    f"InferenceRunner takes kt.callbacks.Inferencer objects; got {inferencer!r}."
+                )
+        self.results = {}
+        self._sum_function = None
+
+    def on_epoch_end(self, epoch, logs=None):
+        self.after_epoch()
+        self.trigger_epoch()
+        if logs is not None:
+            logs.update(self.results)
+
+    def _trigger(self):
+        self.results = {}
+        stats = [i for i in self.inferencers if isinstance(i, ScalarStats)]
+        counters = [i for i in self.inferencers if not isinstance(i, ScalarStats)]
+        if stats:
+            values = self.model.evaluate(self.source, verbose=0, return_dict=True)
+            for inferencer in stats:
+                for name in inferencer.names:
+                    if name not in values:
+                        raise KeyError(
+                            f"ScalarStats: {name!r} is not a metric of the model; "
+                            f"it has {sorted(values)}."
+                        )
+                    self.results[f"{inferencer.prefix}_{name}"] = float(values[name])
+        if counters:
+            sums = self._sums_over_source(counters)
+            for index, inferencer in enumerate(counters):
+                self.results.update(inferencer._results(sums[index]))
+
+    def _sums_over_source(self, counters):
+        """Per-inferencer sums over every example of the source, all towers."""
+        model = self.model
+        strategy = model.tower_strategy
+        if self._sum_function is None:
+
+            def tower_sums(data):
+                x, y, sample_weight = data_adapter_utils.unpack_x_y_sample_weight(data)
+                y_pred = model._call_tower(x, training=False)
+                return [c._batch_sums(y, y_pred, sample_weight) for c in counters]
+
+            @tf.function
+            def step(data):
+                per_tower = model.run_on_towers(tower_sums, data)
+                return tf.nest.map_structure(
+                    lambda v: tf.add_n([tf.cast(t, tf.float64) for t in strategy.tower_values(v)]),
+                    per_tower,
+                )
+
+            self._sum_function = step
+        model._build_for(self.source, with_targets=False)
+        iterator = iter(self.source.distribute(strategy))
+        totals = None
+        while True:
+            optional = iterator.get_next_as_optional()
+            if not optional.has_value():
+                break
+            sums = tf.nest.map_structure(np.float64, self._sum_function(optional.get_value()))
+            totals = sums if totals is None else tf.nest.map_structure(np.add, totals, sums)
+        if totals is None:
+            raise ValueError("InferenceRunner: the validation source gave no batch.")
+        return totals

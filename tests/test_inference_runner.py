@@ -1,0 +1,75 @@
+"""InferenceRunner: several sources, data-parallel, exact as one device."""
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import kerastower as kt
+from conftest import TWO, id_data
+
+
+def _model(weights=None):
+    keras.utils.set_random_seed(11)
+    inputs = keras.Input((4,))
+    model = kt.TowerModel(inputs, keras.layers.Dense(3)(keras.layers.Dense(8, activation="tanh")(inputs)))
+    model.compile(optimizer=keras.optimizers.SGD(0.0), metrics=["accuracy"],
+                  loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    if weights is not None:
+        model.set_weights(weights)
+    return model
+
+
+def test_runners_on_two_sources_equal_a_one_device_evaluation():
+    x, y = id_data(64)
+    x[:, 0] = 0.0
+    val_a, val_b = id_data(37, seed=1), id_data(23, seed=2)
+    for v in (val_a, val_b):
+        v[0][:, 0] = 0.0
+    weights = _model().get_weights()
+
+    one = _model(weights)
+    expected = {}
+    for prefix, (vx, vy) in (("a", val_a), ("b", val_b)):
+        logits = one.predict(vx, batch_size=64, verbose=0)
+        expected[f"{prefix}_error"] = float(np.mean(np.argmax(logits, -1) != vy))
+        result = one.evaluate(vx, vy, batch_size=64, verbose=0, return_dict=True)
+        expected[f"{prefix}_loss"] = result["loss"]
+        expected[f"{prefix}_accuracy"] = result["accuracy"]
+
+    with kt.distributed("mirrored", devices=TWO):
+        model = _model(weights)
+        runners = [
+            kt.callbacks.InferenceRunner(
+                (vx, vy), [kt.callbacks.ScalarStats(["loss", "accuracy"], prefix=prefix),
+                           kt.callbacks.ClassificationError(f"{prefix}_error")], batch_size=5)
+            for prefix, (vx, vy) in (("a", val_a), ("b", val_b))
+        ]
+        history = model.fit(x, y, batch_size=8, epochs=2, verbose=0, callbacks=runners)
+    for key, value in expected.items():
+        assert history.history[key] == pytest.approx([value, value], abs=1e-6), key
+    assert expected["a_error"] == pytest.approx(1 - expected["a_accuracy"], abs=1e-6)
+
+
+def test_classification_error_with_one_hot_labels_and_weights(two_towers):
+    x, y = id_data(30)
+    x[:, 0] = 0.0
+    model = _model()
+    logits = model.predict(x, batch_size=30, verbose=0)
+    weights = np.linspace(0.0, 2.0, 30).astype("float32")
+    wrong = (np.argmax(logits, -1) != y).astype("float64")
+    runner = kt.callbacks.InferenceRunner(
+        (x, np.eye(3, dtype="float32")[y], weights), [kt.callbacks.ClassificationError()], batch_size=4)
+    runner.set_model(model)
+    runner.trigger()
+    assert runner.results["val_error"] == pytest.approx((wrong * weights).sum() / weights.sum(), rel=1e-6)
+
+
+def test_bad_inferencers_are_refused(two_towers):
+    x, y = id_data(8)
+    with pytest.raises(TypeError, match="takes kt.callbacks.Inferencer objects"):
+        kt.callbacks.InferenceRunner((x, y), ["accuracy"])
+    model = _model()
+    runner = kt.callbacks.InferenceRunner((x, y), [kt.callbacks.ScalarStats(["f1"])])
+    with pytest.raises(KeyError, match="'f1' is not a metric of the model"):
+        model.fit(x, y, batch_size=4, verbose=0, callbacks=[runner])
