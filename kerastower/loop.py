@@ -29,6 +29,7 @@ class LoopState:
         tower_batches: batches each tower has taken from the input in this
             run (since the current pass began, when an epoch is one pass):
             the input position a checkpoint records.
+        examples_seen: examples trained on by all towers, in this process.
 
     Example:
 
@@ -48,6 +49,7 @@ class LoopState:
         self.epoch_num = 0
         self.local_step = 0
         self.tower_batches = []
+        self.examples_seen = 0
 
     @property
     def global_step(self):

@@ -21,6 +21,7 @@ per-tower iterator; `_make_step_function` below pulls one batch per tower per
 step and runs the tower step (`train_step`, `test_step`, `predict_step`) on it.
 """
 
+import collections
 import warnings
 
 import keras
@@ -54,6 +55,14 @@ def _num_examples(data):
     x, _, _ = data_adapter_utils.unpack_x_y_sample_weight(data)
     first = next(t for t in tf.nest.flatten(x) if t is not None)
     return tf.shape(first)[0]
+
+
+_StepsRun = collections.namedtuple(
+    "_StepsRun", ["steps", "examples", "tower_examples", "tower_batches", "logs"]
+)
+_StepsRun.__doc__ = """What one call of a step function did: steps run, examples
+over all towers, the last step's examples per tower, batches each tower took,
+and the logs (predictions, for predict)."""
 
 
 class _StepCache:
@@ -489,15 +498,17 @@ class TowerModel(keras.Model):
         self._step_cache.local_weights = None
 
     def _run_steps(self, function, iterator, num_steps):
-        """Runs up to `num_steps` steps; returns (steps run, outputs, tower
-        examples of the last step, batches each tower took)."""
+        """Runs up to `num_steps` steps of a step function."""
         try:
-            steps, _, tower_examples, tower_batches, outputs = function(
+            steps, examples, tower_examples, tower_batches, outputs = function(
                 iterator, tf.constant(num_steps)
             )
         except tf.errors.OutOfRangeError:
-            return 0, None, None, 0
-        return int(steps), outputs, tower_examples, np.asarray(tower_batches, np.int64)
+            return _StepsRun(0, 0, None, 0, None)
+        return _StepsRun(
+            int(steps), int(examples), tower_examples,
+            np.asarray(tower_batches, np.int64), outputs,
+        )
 
     def _announce_total_batch(self, tower_examples, verbose):
         if self._announced_batch or verbose == 0:
@@ -611,16 +622,16 @@ class TowerModel(keras.Model):
                 if steps_per_epoch:
                     want = min(want, steps_per_epoch - step)
                 callbacks.on_train_batch_begin(step)
-                ran, outputs, tower_examples, tower_batches = self._run_steps(
-                    train_function, iterator, want
-                )
+                run = self._run_steps(train_function, iterator, want)
+                ran = run.steps
                 if ran:
-                    logs = outputs
+                    logs = run.logs
                     step += ran
-                    self._tower_batches_taken += tower_batches
+                    self._tower_batches_taken += run.tower_batches
                     self.loop.local_step = step
                     self.loop.tower_batches = self._tower_batches_taken.tolist()
-                    self._announce_total_batch(tower_examples, verbose)
+                    self.loop.examples_seen += run.examples
+                    self._announce_total_batch(run.tower_examples, verbose)
                     callbacks.on_train_batch_end(step - 1, logs)
                 if ran < want:
                     self._check_not_exhausted(steps_per_epoch, epoch, step)
@@ -729,9 +740,10 @@ class TowerModel(keras.Model):
         while not steps or step < steps:
             want = self.steps_per_execution if not steps else min(self.steps_per_execution, steps - step)
             callbacks.on_test_batch_begin(step)
-            ran, outputs, _, _ = self._run_steps(test_function, iterator, want)
+            run = self._run_steps(test_function, iterator, want)
+            ran = run.steps
             if ran:
-                logs = outputs
+                logs = run.logs
                 step += ran
                 callbacks.on_test_batch_end(step - 1, logs)
             if ran < want or self.stop_evaluating:
@@ -767,11 +779,11 @@ class TowerModel(keras.Model):
         batches, step = [], 0
         while not steps or step < steps:
             callbacks.on_predict_batch_begin(step)
-            ran, outputs, _, _ = self._run_steps(predict_function, iterator, 1)
-            if not ran:  # no tower had data left
+            run = self._run_steps(predict_function, iterator, 1)
+            if not run.steps:  # no tower had data left
                 break
-            batches.append(outputs)
-            callbacks.on_predict_batch_end(step, {"outputs": outputs})
+            batches.append(run.logs)
+            callbacks.on_predict_batch_end(step, {"outputs": run.logs})
             step += 1
             if self.stop_predicting:
                 break
