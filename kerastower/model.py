@@ -37,6 +37,7 @@ from keras.src.utils import io_utils
 from keras.src.utils.python_utils import pythonify_logs
 
 from kerastower import strategies
+from kerastower.callbacks import monitors
 from kerastower.errors import InputSourceError
 from kerastower.errors import StrategyError
 from kerastower.errors import TowerRuleError
@@ -63,6 +64,24 @@ _StepsRun = collections.namedtuple(
 _StepsRun.__doc__ = """What one call of a step function did: steps run, examples
 over all towers, the last step's examples per tower, batches each tower took,
 and the logs (predictions, for predict)."""
+
+
+def _with_default_monitors(callbacks, verbose, logdir):
+    """The user's callbacks with kerastower's progress bar first and, given a
+    logdir, throughput, TensorBoard and stats.json writers at the end."""
+    callbacks = list(callbacks or [])
+    kinds = tuple(type(cb) for cb in callbacks)
+    if verbose != 0 and not any(issubclass(k, keras.callbacks.ProgbarLogger) for k in kinds):
+        callbacks.insert(0, monitors.ProgressBar())
+    if logdir is not None:
+        for kind, make in (
+            (monitors.ThroughputTracker, monitors.ThroughputTracker),
+            (keras.callbacks.TensorBoard, lambda: monitors.TensorBoard(logdir)),
+            (monitors.JSONWriter, lambda: monitors.JSONWriter(logdir)),
+        ):
+            if not any(issubclass(k, kind) for k in kinds):
+                callbacks.append(make())
+    return callbacks
 
 
 class _StepCache:
@@ -541,12 +560,15 @@ class TowerModel(keras.Model):
         validation_steps=None,
         validation_batch_size=None,
         validation_freq=1,
+        logdir=None,
     ):
         """Trains the model; `batch_size` and the batches of a dataset are per tower.
 
         Takes the arguments of `keras.Model.fit`. With `steps_per_epoch` set,
         one iterator runs through all epochs (an epoch is only the period at
         which callbacks run), and a source that runs out raises an error.
+        `logdir` adds TensorBoard, JSONWriter (stats.json) and
+        ThroughputTracker there, unless `callbacks` has them already.
         """
         self._assert_compile_called("fit")
         self._check_strategy("fit")
@@ -579,9 +601,11 @@ class TowerModel(keras.Model):
         steps = steps_per_epoch or source.steps(self.num_towers)
         if not isinstance(callbacks, keras.callbacks.CallbackList):
             callbacks = keras.callbacks.CallbackList(
-                self._callbacks_for_this_process(callbacks),
+                self._callbacks_for_this_process(
+                    _with_default_monitors(callbacks, verbose, logdir)
+                ),
                 add_history=True,
-                add_progbar=verbose != 0,
+                add_progbar=False,
                 verbose=verbose,
                 epochs=epochs,
                 steps=steps,

@@ -8,6 +8,13 @@ from kerastower.callbacks.inference import ClassificationError
 from kerastower.callbacks.inference import InferenceRunner
 from kerastower.callbacks.inference import Inferencer
 from kerastower.callbacks.inference import ScalarStats
+from kerastower.callbacks.monitors import EstimatedTimeLeft
+from kerastower.callbacks.monitors import JSONWriter
+from kerastower.callbacks.monitors import PeakMemoryTracker
+from kerastower.callbacks.monitors import ProgressBar
+from kerastower.callbacks.monitors import ScalarPrinter
+from kerastower.callbacks.monitors import TensorBoard
+from kerastower.callbacks.monitors import ThroughputTracker
 from kerastower.callbacks.param import HyperParamSetter
 from kerastower.callbacks.param import HyperParamSetterWithFunc
 from kerastower.callbacks.param import ScheduledHyperParamSetter
@@ -25,16 +32,23 @@ __all__ = [
     "Callback",
     "ClassificationError",
     "EnableCallbackIf",
+    "EstimatedTimeLeft",
     "HyperParamSetter",
     "HyperParamSetterWithFunc",
     "InferenceRunner",
     "Inferencer",
+    "JSONWriter",
     "MaxSaver",
     "MinSaver",
     "ModelSaver",
+    "PeakMemoryTracker",
     "PeriodicTrigger",
+    "ProgressBar",
     "ProxyCallback",
+    "ScalarPrinter",
     "ScalarStats",
     "ScheduledHyperParamSetter",
     "StatMonitorParamSetter",
+    "TensorBoard",
+    "ThroughputTracker",
 ]

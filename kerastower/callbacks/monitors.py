@@ -1,0 +1,184 @@
+"""Monitors: what training reports, written by the chief.
+
+| callback | what it does |
+|---|---|
+| `ProgressBar` | Keras's progress bar plus samples/s over all towers (fit's default) |
+| `ThroughputTracker` | `samples_per_sec` of every epoch, all towers counted, into the logs |
+| `EstimatedTimeLeft` | prints the time left, from the median epoch time |
+| `ScalarPrinter` | prints the epoch's scalars, one per line |
+| `JSONWriter(logdir)` | `logdir/stats.json`: a list of epoch records, rewritten atomically, continued on resume |
+| `TensorBoard(logdir)` | Keras's TensorBoard with step and epoch scalars, chief only |
+| `PeakMemoryTracker` | `peak_memory_mb` of every epoch, where the device reports it (GPUs) |
+
+`model.fit(..., logdir=path)` adds TensorBoard, JSONWriter and
+ThroughputTracker unless the list already has them.
+"""
+
+import json
+import os
+import statistics
+import time
+
+import keras
+import tensorflow as tf
+from keras.src.utils import io_utils
+
+from kerastower.callbacks.base import Callback
+
+__all__ = [
+    "ProgressBar",
+    "ThroughputTracker",
+    "EstimatedTimeLeft",
+    "ScalarPrinter",
+    "JSONWriter",
+    "TensorBoard",
+    "PeakMemoryTracker",
+]
+
+
+class ProgressBar(keras.callbacks.ProgbarLogger):
+    """Keras's progress bar, showing samples/s summed over all towers."""
+
+    chief_only = True
+
+    def on_epoch_begin(self, epoch, logs=None):
+        super().on_epoch_begin(epoch, logs)
+        self._epoch_start = (time.perf_counter(), self.model.loop.examples_seen)
+
+    def on_train_batch_end(self, batch, logs=None):
+        start_time, start_examples = self._epoch_start
+        seconds = time.perf_counter() - start_time
+        examples = self.model.loop.examples_seen - start_examples
+        shown = dict(logs or {})
+        if seconds > 0:
+            shown["samples/s"] = examples / seconds
+        super().on_train_batch_end(batch, shown)
+
+
+class ThroughputTracker(Callback):
+    """Adds `samples_per_sec` (examples of all towers per second) and
+    `steps_per_sec` of each epoch to its logs."""
+
+    def _before_epoch(self):
+        self._start = (time.perf_counter(), self.model.loop.examples_seen, self.global_step)
+
+    def on_epoch_end(self, epoch, logs=None):
+        start_time, start_examples, start_step = self._start
+        seconds = max(time.perf_counter() - start_time, 1e-9)
+        if logs is not None:
+            logs["samples_per_sec"] = (self.model.loop.examples_seen - start_examples) / seconds
+            logs["steps_per_sec"] = (self.global_step - start_step) / seconds
+        super().on_epoch_end(epoch, logs)
+
+
+class EstimatedTimeLeft(Callback):
+    """Prints the estimated time left after each epoch: the median epoch
+    time so far times the epochs still to run."""
+
+    def __init__(self):
+        super().__init__()
+        self.durations = []
+        self.estimate = None
+
+    def _before_epoch(self):
+        self._start = time.perf_counter()
+
+    def _trigger_epoch(self):
+        self.durations.append(time.perf_counter() - self._start)
+        left = self.loop.max_epoch - self.epoch_num
+        self.estimate = statistics.median(self.durations) * left
+        if left > 0:
+            minutes, seconds = divmod(int(round(self.estimate)), 60)
+            hours, minutes = divmod(minutes, 60)
+            io_utils.print_msg(
+                f"EstimatedTimeLeft: {hours}h {minutes:02d}m {seconds:02d}s "
+                f"for {left} more epoch(s)"
+            )
+
+
+class ScalarPrinter(Callback):
+    """Prints every scalar of the epoch logs, one per line, as tensorpack did.
+
+    Args:
+        whitelist: names to print (default: all).
+    """
+
+    def __init__(self, whitelist=None):
+        super().__init__()
+        self.whitelist = None if whitelist is None else set(whitelist)
+
+    def on_epoch_end(self, epoch, logs=None):
+        for name, value in sorted((logs or {}).items()):
+            if self.whitelist is None or name in self.whitelist:
+                io_utils.print_msg(f"[epoch {self.epoch_num}, step {self.global_step}] {name}: {float(value):.6g}")
+        super().on_epoch_end(epoch, logs)
+
+
+class JSONWriter(Callback):
+    """Keeps `logdir/stats.json`: one record per epoch with `epoch_num`,
+    `global_step` and the epoch logs.
+
+    The file is rewritten through a temporary file and an atomic rename, so
+    it is always valid JSON. A resumed run keeps the records up to the step
+    it resumed from and appends after them.
+    """
+
+    FILENAME = "stats.json"
+
+    def __init__(self, logdir):
+        super().__init__()
+        self.logdir = logdir
+        self.records = []
+
+    @property
+    def path(self):
+        return os.path.join(self.logdir, self.FILENAME)
+
+    def _before_train(self):
+        os.makedirs(self.logdir, exist_ok=True)
+        self.records = []
+        if os.path.exists(self.path):
+            with open(self.path) as f:
+                previous = json.load(f)
+            # Records past the step training resumes from belong to a run
+            # that was lost; they are replaced by the ones to come.
+            self.records = [r for r in previous if r["global_step"] <= self.global_step]
+
+    def on_epoch_end(self, epoch, logs=None):
+        record = {"epoch_num": self.epoch_num, "global_step": self.global_step}
+        record.update({k: float(v) for k, v in (logs or {}).items()})
+        self.records.append(record)
+        staging = self.path + ".writing"
+        with open(staging, "w") as f:
+            json.dump(self.records, f, indent=1)
+        os.replace(staging, self.path)
+        super().on_epoch_end(epoch, logs)
+
+
+class TensorBoard(keras.callbacks.TensorBoard):
+    """Keras's TensorBoard callback, writing step scalars (`batch_*`, at the
+    global step) and epoch scalars (`epoch_*`), on the chief only."""
+
+    chief_only = True
+
+    def __init__(self, log_dir="logs", update_freq="batch", **kwargs):
+        super().__init__(log_dir=log_dir, update_freq=update_freq, **kwargs)
+
+
+class PeakMemoryTracker(Callback):
+    """Adds `peak_memory_mb` (the largest over the towers' devices) of each
+    epoch to its logs, on devices that report memory (GPUs); elsewhere it
+    adds nothing."""
+
+    def _devices(self):
+        return [d.name for d in tf.config.list_logical_devices("GPU")]
+
+    def _before_epoch(self):
+        for device in self._devices():
+            tf.config.experimental.reset_memory_stats(device)
+
+    def on_epoch_end(self, epoch, logs=None):
+        peaks = [tf.config.experimental.get_memory_info(d)["peak"] for d in self._devices()]
+        if peaks and logs is not None:
+            logs["peak_memory_mb"] = max(peaks) / 2**20
+        super().on_epoch_end(epoch, logs)

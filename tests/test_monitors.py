@@ -1,0 +1,90 @@
+"""Monitors: TensorBoard and stats.json read back, throughput over all towers."""
+
+import json
+import os
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+from tensorboard.backend.event_processing import event_accumulator
+
+import kerastower as kt
+from conftest import TWO, id_data, mlp
+
+
+def _endless(n=32, batch=4):
+    x, y = id_data(n)
+    x[:, 0] = 0.0
+    return tf.data.Dataset.from_tensor_slices((x, y)).batch(batch).repeat()
+
+
+def test_logdir_gives_tensorboard_scalars_and_stats_json(two_towers, tmp_path):
+    model = mlp()
+    logdir = str(tmp_path / "run")
+    history = model.fit(_endless(), steps_per_epoch=3, epochs=2, verbose=0, logdir=logdir)
+
+    accumulator = event_accumulator.EventAccumulator(os.path.join(logdir, "train"))
+    accumulator.Reload()
+    steps = [e.step for e in accumulator.Tensors("batch_loss")]
+    assert steps == [1, 2, 3, 4, 5, 6]  # every step, at the global step
+    epoch_losses = [tf.make_ndarray(e.tensor_proto).item() for e in accumulator.Tensors("epoch_loss")]
+    np.testing.assert_allclose(epoch_losses, history.history["loss"], rtol=1e-6)
+
+    with open(os.path.join(logdir, "stats.json")) as f:
+        records = json.load(f)
+    assert [(r["epoch_num"], r["global_step"]) for r in records] == [(1, 3), (2, 6)]
+    assert [r["loss"] for r in records] == pytest.approx(history.history["loss"])
+    for record in records:
+        # samples/s over steps/s is the examples per step: 2 towers x 4.
+        assert record["samples_per_sec"] / record["steps_per_sec"] == pytest.approx(8)
+
+
+def test_stats_json_continues_after_a_resume(tmp_path):
+    logdir, ckpt = str(tmp_path / "logs"), str(tmp_path / "ckpt")
+
+    class StopAfter(keras.callbacks.Callback):
+        def on_epoch_end(self, epoch, logs=None):
+            if epoch == 2:  # epoch 3 is recorded, then lost: the last checkpoint is epoch 2's
+                raise RuntimeError("killed")
+
+    def run(extra, epochs=4):
+        with kt.distributed("mirrored", devices=TWO):
+            model = mlp()
+            callbacks = [kt.callbacks.AutoResume(ckpt),
+                         kt.callbacks.PeriodicTrigger(kt.callbacks.ModelSaver(ckpt), every_k_epochs=2),
+                         *extra]
+            model.fit(_endless(), steps_per_epoch=2, epochs=epochs, verbose=0, logdir=logdir,
+                      callbacks=callbacks)
+
+    with pytest.raises(RuntimeError, match="killed"):
+        run([StopAfter()])
+    run([])
+    with open(os.path.join(logdir, "stats.json")) as f:
+        records = json.load(f)
+    assert [(r["epoch_num"], r["global_step"]) for r in records] == [(1, 2), (2, 4), (3, 6), (4, 8)]
+
+
+def test_progress_bar_shows_samples_per_second(two_towers, capsys):
+    model = mlp()
+    model.fit(_endless(), steps_per_epoch=3, epochs=1, verbose=1)
+    assert "samples/s" in capsys.readouterr().out
+
+
+def test_printers_and_time_left(two_towers, capsys):
+    model = mlp()
+    eta = kt.callbacks.EstimatedTimeLeft()
+    model.fit(_endless(), steps_per_epoch=2, epochs=3, verbose=0,
+              callbacks=[kt.callbacks.ScalarPrinter(whitelist=["loss"]), eta])
+    out = capsys.readouterr().out
+    assert out.count("] loss: ") == 3 and "[epoch 3, step 6] loss:" in out
+    assert out.count("EstimatedTimeLeft:") == 2  # none after the last epoch
+    assert len(eta.durations) == 3 and eta.estimate == 0
+
+
+def test_peak_memory_tracker_adds_nothing_where_the_device_reports_nothing(two_towers):
+    model = mlp()
+    history = model.fit(_endless(), steps_per_epoch=1, verbose=0,
+                        callbacks=[kt.callbacks.PeakMemoryTracker()])
+    has_gpu = bool(tf.config.list_logical_devices("GPU"))
+    assert ("peak_memory_mb" in history.history) == has_gpu
