@@ -5,7 +5,8 @@
 With GPUs, one tower runs on each GPU; without, the CPU is split into two
 logical devices so that the two-tower path runs anywhere. Each tower takes
 its own batch of --batch images: total batch = --batch x towers.
-TensorBoard logs are left in --logdir (`tensorboard --logdir logs/digits`).
+TensorBoard logs and stats.json are left in --logdir
+(`tensorboard --logdir logs/digits`).
 """
 
 import argparse
@@ -88,7 +89,7 @@ def main():
             batch_size=args.batch,
             epochs=args.epochs,
             validation_data=(x_test, y_test),
-            callbacks=[keras.callbacks.TensorBoard(args.logdir)],
+            logdir=args.logdir,  # TensorBoard scalars and stats.json
             verbose=2,
         )
         return model.evaluate(x_test, y_test, batch_size=args.batch, verbose=0, return_dict=True)

@@ -6,11 +6,13 @@ TensorFlow's CPU build; kerastower must skip the model on that tower.
 """
 
 import glob
+import json
 import os
 import re
 import subprocess
 import sys
 
+import pytest
 from tensorboard.backend.event_processing import event_accumulator
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -38,3 +40,7 @@ def test_train_digits_example(tmp_path):
                                   if "epoch_loss" in accumulator.Tags()["tensors"]
                                   else accumulator.Scalars("epoch_loss"))]
     assert len(losses) == 3
+    with open(logdir / "stats.json") as f:
+        records = json.load(f)
+    assert [r["epoch_num"] for r in records] == [1, 2, 3]
+    assert records[-1]["val_accuracy"] == pytest.approx(accuracy, abs=1e-4)
