@@ -11,7 +11,7 @@ from conftest import TWO, id_data
 
 
 class Stop(Exception):
-    pass
+    """Raised to interrupt training at a chosen step."""
 
 
 class StopAt(keras.callbacks.Callback):

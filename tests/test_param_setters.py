@@ -101,3 +101,10 @@ def test_model_variable_param_and_bad_params(two_towers):
                   callbacks=[kt.callbacks.HyperParamSetterWithFunc("lr_typo", lambda e, v: v)])
     with pytest.raises(ValueError, match="sorted by epoch"):
         kt.callbacks.ScheduledHyperParamSetter("learning_rate", [(3, 0.1), (1, 0.2)])
+
+
+def test_a_watched_stat_missing_from_the_logs_is_named(two_towers):
+    model = mlp()
+    monitor = kt.callbacks.StatMonitorParamSetter("learning_rate", "val_loss", lambda v: v, 0.0, 1)
+    with pytest.raises(KeyError, match=r"watches 'val_loss', which is not in the epoch logs \['accuracy', 'loss'\]"):
+        model.fit(_data(), steps_per_epoch=1, verbose=0, callbacks=[monitor])

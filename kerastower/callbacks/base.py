@@ -57,6 +57,17 @@ class Callback(keras.callbacks.Callback):
     def local_step(self):
         return self.model.loop.local_step
 
+    def read_stat(self, logs, stat):
+        """The value of `stat` in the epoch `logs`, or a KeyError naming the
+        keys there are."""
+        logs = logs or {}
+        if stat not in logs:
+            raise KeyError(
+                f"{type(self).__name__} watches {stat!r}, which is not in the "
+                f"epoch logs {sorted(logs)}. Put it after the callback that adds it."
+            )
+        return float(logs[stat])
+
     # Keras hooks -> tensorpack template methods.
 
     def on_train_begin(self, logs=None):

@@ -206,13 +206,7 @@ class StatMonitorParamSetter(HyperParamSetter):
         pass
 
     def on_epoch_end(self, epoch, logs=None):
-        logs = logs or {}
-        if self.stat not in logs:
-            raise KeyError(
-                f"StatMonitorParamSetter watches {self.stat!r}, which is not in "
-                f"the epoch logs {sorted(logs)}."
-            )
-        value = float(logs[self.stat])
+        value = self.read_stat(logs, self.stat)
         self.history.append(-value if self.reverse else value)
         super().on_epoch_end(epoch, logs)
 

@@ -102,13 +102,7 @@ class _BestSaver(Callback):
         return os.path.join(self.checkpoint_dir, self.filename + ".keras")
 
     def on_epoch_end(self, epoch, logs=None):
-        logs = logs or {}
-        if self.stat not in logs:
-            raise KeyError(
-                f"{type(self).__name__} watches {self.stat!r}, which is not in "
-                f"the epoch logs {sorted(logs)}."
-            )
-        value = float(logs[self.stat])
+        value = self.read_stat(logs, self.stat)
         if self.best is None or self._better(value, self.best):
             self.best = value
             os.makedirs(self.checkpoint_dir, exist_ok=True)
