@@ -128,3 +128,30 @@ def test_triggers_reject_bad_arguments():
     with pytest.raises(TypeError, match="wraps a kt.callbacks.Callback; got EarlyStopping"):
         kt.callbacks.PeriodicTrigger(keras.callbacks.EarlyStopping(), every_k_epochs=1)
     assert Recording().chief_only is True
+
+
+def test_chief_only_callbacks_do_not_run_on_other_processes():
+    """A strategy whose process is not the chief (as a Horovod rank > 0 will
+    be) runs the callbacks that are not chief_only, and Keras's."""
+
+    class NotChief(kt.TowerStrategy):
+        @property
+        def is_chief(self):
+            return False
+
+    kt.register_strategy("not_chief", lambda devices: NotChief("not_chief", tf.distribute.get_strategy()))
+    try:
+        with kt.distributed("not_chief"):
+            model = mlp()
+            chief_only, everywhere = Recording(), Recording()
+            everywhere.chief_only = False
+            keras_seen = []
+            keras_callback = keras.callbacks.LambdaCallback(
+                on_epoch_end=lambda e, logs: keras_seen.append(e))
+            model.fit(_repeating(), steps_per_epoch=2, epochs=1, verbose=0,
+                      callbacks=[chief_only, everywhere, keras_callback])
+    finally:
+        kt.strategies._REGISTRY.pop("not_chief")
+    assert chief_only.calls == []
+    assert everywhere.calls[-1][0] == "after_train"
+    assert keras_seen == [0]
