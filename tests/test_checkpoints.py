@@ -127,3 +127,16 @@ def test_sigkill_mid_epoch_then_resume_is_bit_equal(tmp_path):
     assert int(a["step"]) == int(b["step"]) == 20
     for key in a.files:
         np.testing.assert_array_equal(a[key], b[key], err_msg=key)
+
+
+def test_keep_checkpoint_every_n_hours_keeps_old_ones_past_max_to_keep(two_towers, tmp_path):
+    x, y = id_data(32)
+    inputs = keras.Input((4,))
+    model = kt.TowerModel(inputs, keras.layers.Dense(3)(inputs))
+    model.compile(optimizer="sgd", loss="sparse_categorical_crossentropy")
+    every_save = kt.callbacks.ModelSaver(str(tmp_path / "kept"), max_to_keep=1,
+                                         keep_checkpoint_every_n_hours=1e-9)
+    only_last = kt.callbacks.ModelSaver(str(tmp_path / "last"), max_to_keep=1)
+    model.fit(x, y, batch_size=4, epochs=3, verbose=0, callbacks=[every_save, only_last])
+    assert sorted(os.listdir(tmp_path / "last")) == ["ckpt-00000012"]
+    assert sorted(os.listdir(tmp_path / "kept")) == ["ckpt-00000004", "ckpt-00000008", "ckpt-00000012"]
