@@ -453,10 +453,10 @@ class TowerModel(keras.Model):
             # An optional tells "no data left for any tower" (stop) from a
             # last step where only some towers got a batch (run it).
             for _ in tf.range(num_steps):
-                optional = iterator.get_next_as_optional()
-                if not optional.has_value():
+                has_data, next_batches = strategy.next_step(iterator)
+                if not has_data:
                     break
-                _, tower_examples = run_towers(optional.get_value())
+                _, tower_examples = run_towers(next_batches())
                 examples += tf.reduce_sum(tower_examples)
                 tower_batches += tf.cast(tower_examples > 0, tf.int32)
                 steps += 1

@@ -98,6 +98,13 @@ class TowerStrategy:
         for index, copy in enumerate(copies):
             copy.assign(value_fn(index, main))
 
+    def next_step(self, iterator):
+        """Inside a step function: (whether any tower has a batch left, a
+        function giving this step's per-tower batches). Towers whose data has
+        run out while others' has not get an empty batch."""
+        optional = iterator.get_next_as_optional()
+        return optional.has_value(), optional.get_value
+
     def distribute(self, dataset_fn, per_tower):
         """Turns an input pipeline into a source of per-tower batches.
 
