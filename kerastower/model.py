@@ -433,14 +433,12 @@ class TowerModel(keras.Model):
 
         def run_towers(data):
             outputs, num_examples = strategy.run(tower_fn, args=(data,))
-            return outputs, tf.stack(strategy.tower_values(num_examples))
+            return outputs, strategy.gather_tower_scalars(num_examples)
 
         def predict_function(iterator, num_steps):
             del num_steps
             outputs, tower_examples = run_towers(iterator.get_next())
-            outputs = tf.nest.map_structure(
-                lambda v: tf.concat(strategy.tower_values(v), axis=0), outputs
-            )
+            outputs = tf.nest.map_structure(strategy.concat_tower_outputs, outputs)
             examples = tf.reduce_sum(tower_examples)
             ran = tf.cast(examples > 0, tf.int32)
             return ran, examples, tower_examples, tf.cast(tower_examples > 0, tf.int32), outputs
@@ -462,7 +460,7 @@ class TowerModel(keras.Model):
                 steps += 1
             # Metrics read across towers sum every tower's totals and counts:
             # the logs are example-weighted over towers.
-            logs = self.get_metrics_result()
+            logs = strategy.metrics_result(self)
             return steps, examples, tower_examples, tower_batches, logs
 
         if mode == "predict":
@@ -530,7 +528,7 @@ class TowerModel(keras.Model):
         )
 
     def _announce_total_batch(self, tower_examples, verbose):
-        if self._announced_batch or verbose == 0:
+        if self._announced_batch or verbose == 0 or not self._tower_strategy.is_chief:
             return
         self._announced_batch = True
         counts = [int(n) for n in np.asarray(tower_examples)]
@@ -597,6 +595,7 @@ class TowerModel(keras.Model):
                 validation_data, validation_batch_size or batch_size
             )
         self._build_for(source)
+        self._tower_strategy.sync_initial_state(self)
         self._seed_towers_apart()
         steps = steps_per_epoch or source.steps(self.num_towers)
         if not isinstance(callbacks, keras.callbacks.CallbackList):
@@ -662,7 +661,9 @@ class TowerModel(keras.Model):
                     break
                 if self.stop_training:
                     break
-            epoch_logs = dict(self._get_metrics_result_or_logs(logs))
+            # The step function's logs are the metrics read across towers
+            # (and processes); the model's own read would be this process's.
+            epoch_logs = dict(logs)
             if val_source is not None and self._should_eval(epoch, validation_freq):
                 val_logs = self.evaluate(
                     val_source,
@@ -772,7 +773,7 @@ class TowerModel(keras.Model):
                 callbacks.on_test_batch_end(step - 1, logs)
             if ran < want or self.stop_evaluating:
                 break
-        logs = pythonify_logs(self._get_metrics_result_or_logs(logs))
+        logs = pythonify_logs(logs)
         callbacks.on_test_end(logs)
         if return_dict:
             return logs

@@ -83,6 +83,26 @@ class TowerStrategy:
         """The list of one per-tower result's values, in tower order."""
         return list(self.tf_strategy.experimental_local_results(per_tower))
 
+    def gather_tower_scalars(self, per_tower):
+        """One scalar per tower -> a vector of them, in tower order."""
+        return tf.stack(self.tower_values(per_tower))
+
+    def concat_tower_outputs(self, per_tower):
+        """Per-tower outputs -> one tensor, concatenated in tower order."""
+        return tf.concat(self.tower_values(per_tower), axis=0)
+
+    def sum_over_towers(self, per_tower):
+        """Per-tower values -> their sum (float64, for exact counting)."""
+        return tf.add_n([tf.cast(v, tf.float64) for v in self.tower_values(per_tower)])
+
+    def metrics_result(self, model):
+        """The model's metrics read across all towers (outside any tower)."""
+        return model.get_metrics_result()
+
+    def sync_initial_state(self, model):
+        """Makes every tower start from the same variables (one process:
+        mirrored variables already are)."""
+
     def all_reduce_sum(self, values):
         """Sums `values` (a list of tensors) over towers, inside a tower step."""
         if self.num_towers == 1:

@@ -154,20 +154,17 @@ class InferenceRunner(Callback):
             @tf.function
             def step(data):
                 per_tower = model.run_on_towers(tower_sums, data)
-                return tf.nest.map_structure(
-                    lambda v: tf.add_n([tf.cast(t, tf.float64) for t in strategy.tower_values(v)]),
-                    per_tower,
-                )
+                return tf.nest.map_structure(strategy.sum_over_towers, per_tower)
 
             self._sum_function = step
         model._build_for(self.source, with_targets=False)
         iterator = iter(self.source.distribute(strategy))
         totals = None
         while True:
-            optional = iterator.get_next_as_optional()
-            if not optional.has_value():
+            has_data, next_batches = strategy.next_step(iterator)
+            if not bool(has_data):
                 break
-            sums = tf.nest.map_structure(np.float64, self._sum_function(optional.get_value()))
+            sums = tf.nest.map_structure(np.float64, self._sum_function(next_batches()))
             totals = sums if totals is None else tf.nest.map_structure(np.add, totals, sums)
         if totals is None:
             raise ValueError("InferenceRunner: the validation source gave no batch.")
