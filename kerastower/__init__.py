@@ -22,6 +22,7 @@ from kerastower.inputs import DummyConstantInput
 from kerastower.inputs import GeneratorInput
 from kerastower.inputs import InputSource
 from kerastower.inputs import TowerInputContext
+from kerastower import horovod as _horovod  # registers "horovod"; imports Horovod only when used
 from kerastower.loop import LoopState
 from kerastower.model import TowerModel
 from kerastower.strategies import TowerStrategy

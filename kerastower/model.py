@@ -66,6 +66,14 @@ over all towers, the last step's examples per tower, batches each tower took,
 and the logs (predictions, for predict)."""
 
 
+_KERAS_CHIEF_ONLY = (
+    keras.callbacks.TensorBoard,
+    keras.callbacks.ModelCheckpoint,
+    keras.callbacks.CSVLogger,
+    keras.callbacks.ProgbarLogger,
+)
+
+
 def _with_default_monitors(callbacks, verbose, logdir):
     """The user's callbacks with kerastower's progress bar first and, given a
     logdir, throughput, TensorBoard and stats.json writers at the end."""
@@ -435,13 +443,9 @@ class TowerModel(keras.Model):
             outputs, num_examples = strategy.run(tower_fn, args=(data,))
             return outputs, strategy.gather_tower_scalars(num_examples)
 
-        def predict_function(iterator, num_steps):
-            del num_steps
-            outputs, tower_examples = run_towers(iterator.get_next())
-            outputs = tf.nest.map_structure(strategy.concat_tower_outputs, outputs)
-            examples = tf.reduce_sum(tower_examples)
-            ran = tf.cast(examples > 0, tf.int32)
-            return ran, examples, tower_examples, tf.cast(tower_examples > 0, tf.int32), outputs
+        def predict_function(data):
+            outputs, _ = run_towers(data)
+            return tf.nest.map_structure(strategy.concat_tower_outputs, outputs)
 
         def function(iterator, num_steps):
             steps = tf.constant(0)
@@ -695,10 +699,14 @@ class TowerModel(keras.Model):
         return local_step, state["tower_batches"]
 
     def _callbacks_for_this_process(self, callbacks):
-        """Drops `chief_only` callbacks on processes that are not the chief."""
+        """Drops `chief_only` callbacks on processes that are not the chief.
+        Keras's callbacks that write files or print count as chief-only."""
         if callbacks is None or self._tower_strategy.is_chief:
             return callbacks
-        return [cb for cb in callbacks if not getattr(cb, "chief_only", False)]
+        return [
+            cb for cb in callbacks
+            if not getattr(cb, "chief_only", isinstance(cb, _KERAS_CHIEF_ONLY))
+        ]
 
     def _check_not_exhausted(self, steps_per_epoch, epoch, step):
         if steps_per_epoch:
@@ -804,11 +812,12 @@ class TowerModel(keras.Model):
         batches, step = [], 0
         while not steps or step < steps:
             callbacks.on_predict_batch_begin(step)
-            run = self._run_steps(predict_function, iterator, 1)
-            if not run.steps:  # no tower had data left
+            has_data, next_batches = self._tower_strategy.next_step(iterator)
+            if not bool(has_data):  # no tower has data left
                 break
-            batches.append(run.logs)
-            callbacks.on_predict_batch_end(step, {"outputs": run.logs})
+            outputs = predict_function(next_batches())
+            batches.append(outputs)
+            callbacks.on_predict_batch_end(step, {"outputs": outputs})
             step += 1
             if self.stop_predicting:
                 break
