@@ -86,7 +86,8 @@ class HorovodStrategy(TowerStrategy):
         return self.hvd.grouped_allreduce(values, op=self.hvd.Sum)
 
     def gather_tower_scalars(self, per_tower):
-        return self.hvd.allgather(tf.reshape(per_tower, [1]))
+        gathered = self.hvd.allgather(tf.reshape(per_tower, [1]))
+        return tf.reshape(gathered, [self.num_towers])
 
     def concat_tower_outputs(self, per_tower):
         return self.hvd.allgather(per_tower)

@@ -1,0 +1,105 @@
+"""Runs under `horovodrun -np 2 -H localhost:2 --gloo`; used by test_horovod.
+
+    python horovod_script.py OUT_DIR train    # equivalence, writers, resume
+    python horovod_script.py OUT_DIR die      # rank 1 dies mid-training
+"""
+
+import json
+import os
+import sys
+
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+
+import keras  # noqa: E402
+import numpy as np  # noqa: E402
+import tensorflow as tf  # noqa: E402
+
+import kerastower as kt  # noqa: E402
+
+B = 8
+
+
+def data():
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(96, 5)).astype("float32")
+    y = rng.integers(0, 3, 96).astype("int32")
+    return x, y
+
+
+def build(weights=None):
+    keras.utils.set_random_seed(5)
+    inputs = keras.Input((5,))
+    h = keras.layers.Dense(16, activation="tanh")(inputs)
+    model = kt.TowerModel(inputs, keras.layers.Dense(3)(h))
+    model.compile(optimizer=keras.optimizers.Adam(0.02, global_clipnorm=0.5), metrics=["accuracy"],
+                  loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    if weights is not None:
+        model.set_weights(weights)
+    return model
+
+
+def endless():
+    x, y = data()
+    return tf.data.Dataset.from_tensor_slices((x, y)).batch(B).repeat()
+
+
+def train(out):
+    strategy = kt.distributed("horovod")
+    with strategy as tower_strategy:
+        rank, size = tower_strategy.tower_index(), tower_strategy.num_towers
+        results = {"rank": rank, "size": size}
+
+        # 1. Rank 1 starts from other weights; rank 0's are broadcast at fit.
+        model = build()
+        if rank == 1:
+            model.set_weights([w + 1.0 for w in model.get_weights()])
+        contexts = []
+        probe = keras.callbacks.LambdaCallback(on_train_begin=lambda logs: contexts.append(
+            (model.tower_strategy.tower_index(), model.num_towers)))
+        history = model.fit(endless(), steps_per_epoch=3, epochs=2, verbose=0, callbacks=[probe])
+        results["history"] = history.history
+        results["context"] = contexts[0]
+        np.savez(os.path.join(out, f"weights_rank{rank}.npz"), *model.get_weights())
+        x, y = data()
+        results["evaluate"] = model.evaluate(x, y, batch_size=5, verbose=0, return_dict=True)
+        results["predict_rows"] = int(model.predict(x, batch_size=5, verbose=0).shape[0])
+
+        # 2. Only rank 0 writes logs and checkpoints.
+        model = build()
+        model.fit(endless(), steps_per_epoch=2, epochs=1, verbose=0,
+                  logdir=os.path.join(out, f"logs_rank{rank}"),
+                  callbacks=[kt.callbacks.ModelSaver(os.path.join(out, f"ckpt_rank{rank}"))])
+
+        # 3. AutoResume: 2 epochs, then a new model resumes to 4; equals 4 in one go.
+        ckpt = os.path.join(out, "ckpt_shared")
+        build().fit(endless(), steps_per_epoch=3, epochs=2, verbose=0,
+                    callbacks=[kt.callbacks.ModelSaver(ckpt)])
+        resumed = build()
+        resume = kt.callbacks.AutoResume(ckpt)
+        resumed.fit(endless(), steps_per_epoch=3, epochs=4, verbose=0,
+                    callbacks=[resume, kt.callbacks.ModelSaver(ckpt)])
+        straight = build()
+        straight.fit(endless(), steps_per_epoch=3, epochs=4, verbose=0)
+        results["resumed_from"] = resume.restored_from
+        results["resume_equal"] = all(
+            np.array_equal(a, b) for a, b in zip(resumed.get_weights(), straight.get_weights()))
+        results["resumed_step"] = int(resumed.optimizer.iterations.numpy())
+    with open(os.path.join(out, f"results_rank{rank}.json"), "w") as f:
+        json.dump(results, f)
+
+
+def die(out):
+    with kt.distributed("horovod") as tower_strategy:
+        rank = tower_strategy.tower_index()
+        model = build()
+
+        class Die(keras.callbacks.Callback):
+            def on_train_batch_end(self, batch, logs=None):
+                if rank == 1 and batch == 2:
+                    os._exit(3)
+
+        model.fit(endless(), steps_per_epoch=1000, epochs=1, verbose=0, callbacks=[Die()])
+
+
+if __name__ == "__main__":
+    {"train": train, "die": die}[sys.argv[2]](sys.argv[1])

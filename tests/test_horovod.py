@@ -1,0 +1,100 @@
+"""Horovod, for real: `horovodrun -np 2 -H localhost:2 --gloo` on loopback."""
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+
+
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import kerastower as kt
+
+SCRIPT = os.path.join(os.path.dirname(__file__), "horovod_script.py")
+
+pytestmark = pytest.mark.skipif(
+    shutil.which("horovodrun") is None,
+    reason="Horovod is not installed: run `bash scripts/install-horovod.sh` (the README's test command does)",
+)
+
+
+def _horovodrun(out, scenario, timeout=300):
+    return subprocess.run(
+        ["horovodrun", "-np", "2", "-H", "localhost:2", "--gloo",
+         sys.executable, SCRIPT, str(out), scenario],
+        capture_output=True, text=True, timeout=timeout,
+    )
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory):
+    out = tmp_path_factory.mktemp("horovod")
+    result = _horovodrun(out, "train")
+    assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-2000:]
+    ranks = []
+    for rank in (0, 1):
+        with open(out / f"results_rank{rank}.json") as f:
+            ranks.append(json.load(f))
+    return out, ranks
+
+
+def test_ranks_are_towers_and_end_with_identical_weights(trained):
+    out, (r0, r1) = trained
+    assert (r0["context"], r1["context"]) == ([0, 2], [1, 2])
+    w0, w1 = np.load(out / "weights_rank0.npz"), np.load(out / "weights_rank1.npz")
+    for key in w0.files:  # rank 1 started from other weights
+        np.testing.assert_array_equal(w0[key], w1[key])
+    assert r0["history"] == r1["history"]
+
+
+def test_two_ranks_equal_one_process_on_the_joined_batches(trained):
+    """2 ranks x batch 8 for 6 steps = one process x batch 16 for 6 steps;
+    the logged metrics and the evaluation are the same too."""
+    import horovod_script as script
+
+    out, (r0, _) = trained
+    x, y = script.data()
+    model = script.build()
+    history = model.fit(tf.data.Dataset.from_tensor_slices((x, y)).batch(2 * script.B).repeat(),
+                        steps_per_epoch=3, epochs=2, verbose=0)
+    w0 = np.load(out / "weights_rank0.npz")
+    for key, weight in zip(w0.files, model.get_weights()):
+        np.testing.assert_allclose(w0[key], weight, atol=1e-5)
+    np.testing.assert_allclose(r0["history"]["loss"], history.history["loss"], rtol=1e-5)
+    one = model.evaluate(x, y, batch_size=96, verbose=0, return_dict=True)
+    for key in ("loss", "accuracy"):
+        assert r0["evaluate"][key] == pytest.approx(one[key], rel=1e-5)
+    assert r0["predict_rows"] == 96
+
+
+def test_only_rank_0_writes_logs_and_checkpoints(trained):
+    out, _ = trained
+    assert (out / "logs_rank0" / "stats.json").exists() and os.listdir(out / "ckpt_rank0")
+    assert not (out / "logs_rank1").exists() and not (out / "ckpt_rank1").exists()
+
+
+def test_auto_resume_under_horovod(trained):
+    _, (r0, r1) = trained
+    for r in (r0, r1):
+        assert r["resumed_from"].endswith("ckpt-00000006")
+        assert r["resume_equal"] and r["resumed_step"] == 12
+
+
+def test_a_rank_that_dies_fails_the_job_fast(tmp_path):
+    start = time.time()
+    result = _horovodrun(tmp_path, "die", timeout=120)
+    assert result.returncode != 0
+    assert time.time() - start < 60
+    assert "Exit code: 3" in result.stdout + result.stderr
+
+
+def test_horovod_missing_or_devices_given_is_a_clear_error(monkeypatch):
+    with pytest.raises(kt.StrategyError, match="one process per device"):
+        kt.distributed("horovod", devices=["/cpu:0"]).strategy
+    monkeypatch.setitem(sys.modules, "horovod.tensorflow", None)
+    with pytest.raises(kt.StrategyError, match="scripts/install-horovod.sh"):
+        kt.distributed("horovod").strategy
