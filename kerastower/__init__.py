@@ -23,6 +23,7 @@ from kerastower.inputs import GeneratorInput
 from kerastower.inputs import InputSource
 from kerastower.inputs import TowerInputContext
 from kerastower import horovod as _horovod  # registers "horovod"; imports Horovod only when used
+from kerastower import multiworker as _multiworker  # registers "multiworker"
 from kerastower.loop import LoopState
 from kerastower.model import TowerModel
 from kerastower.strategies import TowerStrategy

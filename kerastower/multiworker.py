@@ -1,0 +1,120 @@
+"""The multi-worker engine: tf.distribute's MultiWorkerMirroredStrategy.
+
+For users without Horovod. Every worker runs the same script with its own
+`TF_CONFIG` (the cluster's addresses and its own index):
+
+    TF_CONFIG='{"cluster": {"worker": ["host1:12345", "host2:12345"]},
+                "task": {"type": "worker", "index": 0}}' python train.py
+
+```python
+@kt.distributed("multiworker")     # create it first, before any other TF op
+def train():
+    ...
+```
+
+Each worker's devices are towers (worker w's replica i is tower
+w * local_devices + i). A shared `kt.DatasetInput(dataset)` is sharded by
+worker, and the towers of a worker take its successive batches; a per-tower
+`kt.DatasetInput(fn)` needs one device per worker (TF cannot build one
+pipeline per replica there). Worker 0 is the chief: it writes logs and
+checkpoints. Weights are broadcast from tower 0 when fit starts.
+"""
+
+import os
+
+import tensorflow as tf
+
+from kerastower.errors import StrategyError
+from kerastower.strategies import TowerStrategy
+from kerastower.strategies import register_strategy
+
+__all__ = ["MultiWorkerStrategy"]
+
+
+class MultiWorkerStrategy(TowerStrategy):
+    """Towers on the devices of several worker processes, via collectives."""
+
+    def __init__(self, devices=None):
+        if devices is not None:
+            raise StrategyError(
+                '"multiworker" uses each worker\'s own devices; do not pass devices '
+                f"(got {devices}). Set TF_CONFIG for every worker instead."
+            )
+        if "TF_CONFIG" not in os.environ:
+            raise StrategyError(
+                '"multiworker" needs the TF_CONFIG environment variable on every '
+                "worker (the cluster's worker addresses and this worker's index); "
+                "see docs/distributed.md. For one machine use \"mirrored\"."
+            )
+        try:
+            tf_strategy = tf.distribute.MultiWorkerMirroredStrategy()
+        except (RuntimeError, ValueError) as error:
+            raise StrategyError(
+                f"MultiWorkerMirroredStrategy could not start ({error}). It must be "
+                'created before any other TensorFlow op: enter kt.distributed("multiworker") '
+                "at the start of the program."
+            ) from None
+        super().__init__("multiworker", tf_strategy)
+        resolver = tf_strategy.cluster_resolver
+        self.worker_index = resolver.task_id or 0
+        self.local_towers = len(tf_strategy.extended.worker_devices)
+
+    @property
+    def is_chief(self):
+        return self.tf_strategy.extended.should_checkpoint
+
+    def gather_tower_scalars(self, per_tower):
+        as_vectors = self.tf_strategy.run(lambda v: tf.reshape(v, [1]), args=(per_tower,))
+        return tf.reshape(self.tf_strategy.gather(as_vectors, axis=0), [self.num_towers])
+
+    def concat_tower_outputs(self, per_tower):
+        return self.tf_strategy.gather(per_tower, axis=0)
+
+    def sum_over_towers(self, per_tower):
+        as_float = self.tf_strategy.run(lambda v: tf.cast(v, tf.float64), args=(per_tower,))
+        return self.tf_strategy.reduce(tf.distribute.ReduceOp.SUM, as_float, axis=None)
+
+    def sync_initial_state(self, model):
+        variables = list(model.variables)
+        if getattr(model, "optimizer", None) is not None:
+            variables += list(model.optimizer.variables)
+        values = [v.value for v in variables]
+
+        def share_of_tower_0():
+            index = tf.distribute.get_replica_context().replica_id_in_sync_group
+            return [tf.where(tf.equal(index, 0), v, tf.zeros_like(v)) for v in values]
+
+        @tf.function
+        def broadcast():
+            shares = self.tf_strategy.run(share_of_tower_0)
+            return [self.tf_strategy.reduce(tf.distribute.ReduceOp.SUM, s, axis=None) for s in shares]
+
+        for variable, value in zip(variables, broadcast()):
+            variable.assign(value)
+
+    def assign_per_tower(self, variable, value_fn):
+        copies = self.tower_values(variable)
+        main = tf.convert_to_tensor(copies[0])
+        first = self.worker_index * self.local_towers
+        for offset, copy in enumerate(copies):
+            copy.assign(value_fn(first + offset, main))
+
+    def distribute(self, dataset_fn, per_tower):
+        if per_tower and self.local_towers > 1:
+            raise StrategyError(
+                "Per-tower pipelines under \"multiworker\" need one device per worker "
+                f"(this worker has {self.local_towers}): TensorFlow builds one pipeline "
+                "per worker there. Use a shared kt.DatasetInput(dataset), or one "
+                "worker per device."
+            )
+
+        def worker_dataset(context):
+            dataset = dataset_fn(context)
+            if per_tower:
+                return dataset
+            return dataset.shard(context.num_input_pipelines, context.input_pipeline_id)
+
+        return self.tf_strategy.distribute_datasets_from_function(worker_dataset)
+
+
+register_strategy("multiworker", MultiWorkerStrategy)

@@ -1,0 +1,47 @@
+"""One worker of a 2-worker MultiWorkerMirroredStrategy cluster on loopback;
+run by test_multiworker with TF_CONFIG set.
+
+    python multiworker_script.py OUT_DIR
+"""
+
+import json
+import os
+import sys
+
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+
+import kerastower as kt  # noqa: E402
+
+switch = kt.distributed("multiworker")  # first, before any other TF op
+strategy = switch.__enter__()
+
+import keras  # noqa: E402
+import numpy as np  # noqa: E402
+import tensorflow as tf  # noqa: E402
+
+sys.path.insert(0, os.path.dirname(__file__))
+import horovod_script as shared  # noqa: E402  (the same data and model)
+
+
+def main(out):
+    worker = strategy.worker_index
+    model = shared.build()
+    if worker == 1:
+        model.set_weights([w + 1.0 for w in model.get_weights()])
+    history = model.fit(shared.endless(), steps_per_epoch=3, epochs=2, verbose=0,
+                        logdir=os.path.join(out, f"logs_worker{worker}"))
+    np.savez(os.path.join(out, f"weights_worker{worker}.npz"), *model.get_weights())
+    x, y = shared.data()
+    result = {
+        "towers": model.num_towers,
+        "history": history.history,
+        "evaluate": model.evaluate(x, y, batch_size=5, verbose=0, return_dict=True),
+        "predict_rows": int(model.predict(x, batch_size=5, verbose=0).shape[0]),
+    }
+    with open(os.path.join(out, f"results_worker{worker}.json"), "w") as f:
+        json.dump(result, f)
+    switch.__exit__(None, None, None)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1])

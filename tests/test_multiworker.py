@@ -1,0 +1,77 @@
+"""MultiWorkerMirroredStrategy: 2 real worker processes on loopback."""
+
+import json
+import os
+import socket
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import kerastower as kt
+
+SCRIPT = os.path.join(os.path.dirname(__file__), "multiworker_script.py")
+
+
+def _free_port():
+    with socket.socket() as s:
+        s.bind(("localhost", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def workers(tmp_path_factory):
+    out = tmp_path_factory.mktemp("multiworker")
+    addresses = [f"localhost:{_free_port()}" for _ in range(2)]
+    processes = []
+    for index in range(2):
+        env = dict(os.environ, TF_CONFIG=json.dumps(
+            {"cluster": {"worker": addresses}, "task": {"type": "worker", "index": index}}))
+        processes.append(subprocess.Popen([sys.executable, SCRIPT, str(out)], env=env,
+                                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
+    outputs = [p.communicate(timeout=300)[0] for p in processes]
+    for process, output in zip(processes, outputs):
+        assert process.returncode == 0, output[-4000:]
+    results = []
+    for index in range(2):
+        with open(out / f"results_worker{index}.json") as f:
+            results.append(json.load(f))
+    return out, results
+
+
+def test_workers_end_identical_and_equal_one_process_on_the_joined_batches(workers):
+    import horovod_script as shared
+
+    out, (w0, w1) = workers
+    assert w0["towers"] == w1["towers"] == 2
+    weights = [np.load(out / f"weights_worker{i}.npz") for i in range(2)]
+    for key in weights[0].files:  # worker 1 started from other weights
+        np.testing.assert_array_equal(weights[0][key], weights[1][key])
+    for key in ("loss", "accuracy"):  # the chief also logs throughput
+        assert w0["history"][key] == w1["history"][key]
+
+    x, y = shared.data()
+    model = shared.build()
+    history = model.fit(tf.data.Dataset.from_tensor_slices((x, y)).batch(2 * shared.B).repeat(),
+                        steps_per_epoch=3, epochs=2, verbose=0)
+    for key, weight in zip(weights[0].files, model.get_weights()):
+        np.testing.assert_allclose(weights[0][key], weight, atol=1e-5)
+    np.testing.assert_allclose(w0["history"]["loss"], history.history["loss"], rtol=1e-5)
+    one = model.evaluate(x, y, batch_size=96, verbose=0, return_dict=True)
+    for key in ("loss", "accuracy"):
+        assert w0["evaluate"][key] == pytest.approx(one[key], rel=1e-5)
+    assert w0["predict_rows"] == 96
+
+
+def test_only_the_chief_writes_logs(workers):
+    out, _ = workers
+    assert (out / "logs_worker0" / "stats.json").exists()
+    assert not (out / "logs_worker1").exists()
+
+
+def test_multiworker_without_tf_config_is_a_clear_error(monkeypatch):
+    monkeypatch.delenv("TF_CONFIG", raising=False)
+    with pytest.raises(kt.StrategyError, match="needs the TF_CONFIG environment variable"):
+        kt.distributed("multiworker").strategy
