@@ -15,6 +15,7 @@ from kerastower import callbacks
 from kerastower import checkpoint
 from kerastower.errors import InputSourceError
 from kerastower.errors import KerasTowerError
+from kerastower.errors import PeerFailureError
 from kerastower.errors import StrategyError
 from kerastower.errors import TowerRuleError
 from kerastower.inputs import DatasetInput
@@ -45,6 +46,7 @@ __all__ = [
     "InputSourceError",
     "KerasTowerError",
     "LoopState",
+    "PeerFailureError",
     "StrategyError",
     "TowerContext",
     "TowerInputContext",

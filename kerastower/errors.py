@@ -1,6 +1,12 @@
 """The errors kerastower raises, so that users can catch them by type."""
 
-__all__ = ["KerasTowerError", "TowerRuleError", "InputSourceError", "StrategyError"]
+__all__ = [
+    "KerasTowerError",
+    "TowerRuleError",
+    "InputSourceError",
+    "StrategyError",
+    "PeerFailureError",
+]
 
 
 class KerasTowerError(Exception):
@@ -17,3 +23,7 @@ class InputSourceError(KerasTowerError, ValueError):
 
 class StrategyError(KerasTowerError, ValueError):
     """A strategy name, device list or strategy combination is not usable."""
+
+
+class PeerFailureError(KerasTowerError):
+    """Another worker of a multi-process training stopped responding."""

@@ -39,6 +39,7 @@ from keras.src.utils.python_utils import pythonify_logs
 from kerastower import strategies
 from kerastower.callbacks import monitors
 from kerastower.errors import InputSourceError
+from kerastower.errors import PeerFailureError
 from kerastower.errors import StrategyError
 from kerastower.errors import TowerRuleError
 from kerastower.gradients import adopt_optimizer
@@ -526,6 +527,13 @@ class TowerModel(keras.Model):
             )
         except tf.errors.OutOfRangeError:
             return _StepsRun(0, 0, None, 0, None)
+        except tf.errors.UnavailableError as error:
+            raise PeerFailureError(
+                "Another worker of this training stopped responding (it died or "
+                "lost its network), so the collective step was aborted. Restart "
+                "all workers; with kt.callbacks.AutoResume they go on from the "
+                f"last checkpoint. TensorFlow said: {error.message.splitlines()[0]}"
+            ) from error
         return _StepsRun(
             int(steps), int(examples), tower_examples,
             np.asarray(tower_batches, np.int64), outputs,

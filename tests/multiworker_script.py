@@ -43,5 +43,16 @@ def main(out):
     switch.__exit__(None, None, None)
 
 
+def die(out):
+    """Worker 1 dies at step 3; worker 0 must fail with a clear error."""
+
+    class Die(keras.callbacks.Callback):
+        def on_train_batch_end(self, batch, logs=None):
+            if strategy.worker_index == 1 and batch == 2:
+                os._exit(3)
+
+    shared.build().fit(shared.endless(), steps_per_epoch=1000, verbose=0, callbacks=[Die()])
+
+
 if __name__ == "__main__":
-    main(sys.argv[1])
+    (die if sys.argv[2:] == ["die"] else main)(sys.argv[1])

@@ -21,16 +21,21 @@ def _free_port():
         return s.getsockname()[1]
 
 
-@pytest.fixture(scope="module")
-def workers(tmp_path_factory):
-    out = tmp_path_factory.mktemp("multiworker")
+def _launch(out, *args):
     addresses = [f"localhost:{_free_port()}" for _ in range(2)]
     processes = []
     for index in range(2):
         env = dict(os.environ, TF_CONFIG=json.dumps(
             {"cluster": {"worker": addresses}, "task": {"type": "worker", "index": index}}))
-        processes.append(subprocess.Popen([sys.executable, SCRIPT, str(out)], env=env,
+        processes.append(subprocess.Popen([sys.executable, SCRIPT, str(out), *args], env=env,
                                           stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
+    return processes
+
+
+@pytest.fixture(scope="module")
+def workers(tmp_path_factory):
+    out = tmp_path_factory.mktemp("multiworker")
+    processes = _launch(out)
     outputs = [p.communicate(timeout=300)[0] for p in processes]
     for process, output in zip(processes, outputs):
         assert process.returncode == 0, output[-4000:]
@@ -75,3 +80,15 @@ def test_multiworker_without_tf_config_is_a_clear_error(monkeypatch):
     monkeypatch.delenv("TF_CONFIG", raising=False)
     with pytest.raises(kt.StrategyError, match="needs the TF_CONFIG environment variable"):
         kt.distributed("multiworker").strategy
+
+
+def test_a_worker_that_dies_makes_the_other_fail_fast_and_clearly(tmp_path):
+    import time
+
+    start = time.time()
+    chief, dying = _launch(tmp_path, "die")
+    output = chief.communicate(timeout=120)[0]
+    dying.wait(timeout=30)
+    assert dying.returncode == 3
+    assert chief.returncode != 0 and time.time() - start < 60
+    assert "PeerFailureError: Another worker of this training stopped responding" in output
