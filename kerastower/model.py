@@ -468,11 +468,10 @@ class TowerModel(keras.Model):
             logs = strategy.metrics_result(self)
             return steps, examples, tower_examples, tower_batches, logs
 
-        if mode == "predict":
-            function = predict_function
+        step_function = predict_function if mode == "predict" else function
         if not self.run_eagerly:
-            function = tf.function(function, reduce_retracing=True)
-        return function
+            step_function = tf.function(step_function, reduce_retracing=True)
+        return step_function
 
     def make_train_function(self, force=False):
         if self.train_function is None or force:

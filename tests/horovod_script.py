@@ -43,6 +43,23 @@ def endless():
     return tf.data.Dataset.from_tensor_slices((x, y)).batch(B).repeat()
 
 
+def assert_equals_one_process(weights_file, result):
+    """The distributed run's weights, logged loss, evaluation and prediction
+    equal one process training on the joined batches (2 x B per step)."""
+    x, y = data()
+    model = build()
+    history = model.fit(tf.data.Dataset.from_tensor_slices((x, y)).batch(2 * B).repeat(),
+                        steps_per_epoch=3, epochs=2, verbose=0)
+    saved = np.load(weights_file)
+    for key, weight in zip(saved.files, model.get_weights()):
+        np.testing.assert_allclose(saved[key], weight, atol=1e-5)
+    np.testing.assert_allclose(result["history"]["loss"], history.history["loss"], rtol=1e-5)
+    one = model.evaluate(x, y, batch_size=96, verbose=0, return_dict=True)
+    for key in ("loss", "accuracy"):
+        np.testing.assert_allclose(result["evaluate"][key], one[key], rtol=1e-5)
+    assert result["predict_rows"] == 96
+
+
 def train(out):
     strategy = kt.distributed("horovod")
     with strategy as tower_strategy:

@@ -17,7 +17,6 @@ strategy = switch.__enter__()
 
 import keras  # noqa: E402
 import numpy as np  # noqa: E402
-import tensorflow as tf  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(__file__))
 import horovod_script as shared  # noqa: E402  (the same data and model)

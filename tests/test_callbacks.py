@@ -1,7 +1,6 @@
 """Loop state and tensorpack-style callbacks under TowerModel.fit."""
 
 import keras
-import numpy as np
 import pytest
 import tensorflow as tf
 

@@ -6,7 +6,7 @@ import pytest
 import tensorflow as tf
 
 import kerastower as kt
-from conftest import TWO, id_data
+from conftest import TWO
 
 B = 8
 

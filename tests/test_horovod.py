@@ -10,7 +10,6 @@ import time
 
 import numpy as np
 import pytest
-import tensorflow as tf
 
 import kerastower as kt
 
@@ -57,18 +56,7 @@ def test_two_ranks_equal_one_process_on_the_joined_batches(trained):
     import horovod_script as script
 
     out, (r0, _) = trained
-    x, y = script.data()
-    model = script.build()
-    history = model.fit(tf.data.Dataset.from_tensor_slices((x, y)).batch(2 * script.B).repeat(),
-                        steps_per_epoch=3, epochs=2, verbose=0)
-    w0 = np.load(out / "weights_rank0.npz")
-    for key, weight in zip(w0.files, model.get_weights()):
-        np.testing.assert_allclose(w0[key], weight, atol=1e-5)
-    np.testing.assert_allclose(r0["history"]["loss"], history.history["loss"], rtol=1e-5)
-    one = model.evaluate(x, y, batch_size=96, verbose=0, return_dict=True)
-    for key in ("loss", "accuracy"):
-        assert r0["evaluate"][key] == pytest.approx(one[key], rel=1e-5)
-    assert r0["predict_rows"] == 96
+    script.assert_equals_one_process(out / "weights_rank0.npz", r0)
 
 
 def test_only_rank_0_writes_logs_and_checkpoints(trained):

@@ -3,7 +3,6 @@
 import keras
 import numpy as np
 import pytest
-import tensorflow as tf
 
 import kerastower as kt
 from conftest import TWO, id_data

@@ -1,7 +1,6 @@
 """Stock Keras callbacks behave as documented under TowerModel with 2 towers."""
 
 import csv
-import math
 import os
 
 import keras
