@@ -28,6 +28,7 @@ import tensorflow as tf
 from kerastower.errors import StrategyError
 from kerastower.strategies import TowerStrategy
 from kerastower.strategies import register_strategy
+from kerastower.strategies import training_state
 
 __all__ = ["HorovodStrategy"]
 
@@ -111,9 +112,7 @@ class HorovodStrategy(TowerStrategy):
         return results
 
     def sync_initial_state(self, model):
-        variables = list(model.variables)
-        if getattr(model, "optimizer", None) is not None:
-            variables += list(model.optimizer.variables)
+        variables = training_state(model)
         for variable in variables:
             variable.assign(self.hvd.broadcast(variable.value, root_rank=0))
 

@@ -27,6 +27,7 @@ import tensorflow as tf
 from kerastower.errors import StrategyError
 from kerastower.strategies import TowerStrategy
 from kerastower.strategies import register_strategy
+from kerastower.strategies import training_state
 
 __all__ = ["MultiWorkerStrategy"]
 
@@ -75,9 +76,7 @@ class MultiWorkerStrategy(TowerStrategy):
         return self.tf_strategy.reduce(tf.distribute.ReduceOp.SUM, as_float, axis=None)
 
     def sync_initial_state(self, model):
-        variables = list(model.variables)
-        if getattr(model, "optimizer", None) is not None:
-            variables += list(model.optimizer.variables)
+        variables = training_state(model)
         values = [v.value for v in variables]
 
         def share_of_tower_0():

@@ -35,6 +35,15 @@ __all__ = [
 ]
 
 
+def training_state(model):
+    """Every variable a training run carries: the model's (random-number
+    states included) and the optimizer's (slots, step counter)."""
+    variables = list(model.variables)
+    if getattr(model, "optimizer", None) is not None:
+        variables += list(model.optimizer.variables)
+    return variables
+
+
 class TowerStrategy:
     """Runs a step once per tower on a `tf.distribute.Strategy`.
 
