@@ -33,6 +33,11 @@ from kerastower.strategies import register_strategy
 from kerastower.strategies import strategy_names
 from kerastower.tower import TowerContext
 from kerastower.tower import get_current_tower_context
+from kerastower.trainers import GANModel
+from kerastower.trainers import GANTrainer
+from kerastower.trainers import SeparateGANTrainer
+from kerastower.trainers import StopTraining
+from kerastower.trainers import Trainer
 
 __version__ = "0.1.0"
 
@@ -41,18 +46,23 @@ __all__ = [
     "checkpoint",
     "DatasetInput",
     "DummyConstantInput",
+    "GANModel",
+    "GANTrainer",
     "GeneratorInput",
     "InputSource",
     "InputSourceError",
     "KerasTowerError",
     "LoopState",
     "PeerFailureError",
+    "SeparateGANTrainer",
+    "StopTraining",
     "StrategyError",
     "TowerContext",
     "TowerInputContext",
     "TowerModel",
     "TowerRuleError",
     "TowerStrategy",
+    "Trainer",
     "distributed",
     "get_current_tower_context",
     "register_strategy",

@@ -4,7 +4,8 @@ A checkpoint is a folder `ckpt-<global_step>` inside the checkpoint directory:
 
     ckpt-00000120/
         variables.index, variables.data-*   model variables (random-number
-                                            states included) and optimizer slots
+                                            states included) and the slots of
+                                            every optimizer
         state.json                          loop state and input position
 
 It is written under a temporary name and renamed into place, and only
@@ -20,6 +21,7 @@ import tempfile
 import tensorflow as tf
 
 from kerastower.errors import KerasTowerError
+from kerastower.strategies import training_optimizers
 
 __all__ = ["write_checkpoint", "read_checkpoint", "list_checkpoints", "latest_checkpoint"]
 
@@ -32,7 +34,9 @@ def _trackable(model):
     # not in TensorFlow's object graph of the model.
     return tf.train.Checkpoint(
         model_variables=[v.value for v in model.variables],
-        optimizer_variables=[v.value for v in model.optimizer.variables],
+        optimizer_variables=[
+            v.value for optimizer in training_optimizers(model) for v in optimizer.variables
+        ],
     )
 
 

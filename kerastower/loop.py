@@ -1,4 +1,5 @@
-"""Where training is: tensorpack's loop counters, kept by `TowerModel.fit`.
+"""Where training is: tensorpack's loop counters, kept by `TowerModel.fit`
+and by `kt.Trainer`.
 
 Training runs
 
@@ -24,8 +25,9 @@ class LoopState:
             over data of unknown length.
         epoch_num: the current (or last) epoch, 1-based; 0 before training.
         local_step: steps done in the current epoch.
-        global_step: optimizer steps done, continuous across epochs, `fit`
-            calls and resumed runs (it is the optimizer's iteration count).
+        global_step: steps done, continuous across epochs, calls and resumed
+            runs: under `fit`, the optimizer's iteration count; under
+            `kt.Trainer`, the iterations (`run_step()` calls) done.
         tower_batches: batches each tower has taken from the input in this
             run (since the current pass began, when an epoch is one pass):
             the input position a checkpoint records.
@@ -41,8 +43,11 @@ class LoopState:
     ```
     """
 
-    def __init__(self, model):
+    def __init__(self, model, counts_iterations=False):
         self._model = model
+        # kt.Trainer's run_step may use several optimizers or none: it
+        # counts its iterations itself.
+        self.iterations = 0 if counts_iterations else None
         self.starting_epoch = 1
         self.max_epoch = 0
         self.steps_per_epoch = None
@@ -53,6 +58,8 @@ class LoopState:
 
     @property
     def global_step(self):
+        if self.iterations is not None:
+            return self.iterations
         optimizer = getattr(self._model, "optimizer", None)
         if optimizer is None:
             return 0

@@ -22,6 +22,8 @@ step and runs the tower step (`train_step`, `test_step`, `predict_step`) on it.
 """
 
 import collections
+import contextlib
+import inspect
 import warnings
 
 import keras
@@ -38,6 +40,7 @@ from keras.src.utils.python_utils import pythonify_logs
 
 from kerastower import strategies
 from kerastower.callbacks import monitors
+from kerastower.callbacks.base import RunHooks
 from kerastower.errors import InputSourceError
 from kerastower.errors import PeerFailureError
 from kerastower.errors import StrategyError
@@ -154,7 +157,11 @@ class TowerModel(keras.Model):
         # bases of SomeModel and of its parents, TowerModel included, which
         # would turn every later subclass functional too. A functional twin of
         # the class, made once, avoids that.
-        if functional_init_arguments(args, kwargs) and not issubclass(cls, Functional):
+        if (
+            functional_init_arguments(args, kwargs)
+            and _init_takes_inputs_outputs(cls)
+            and not issubclass(cls, Functional)
+        ):
             return super().__new__(_functional_twin(cls))
         return super().__new__(cls)
 
@@ -244,14 +251,22 @@ class TowerModel(keras.Model):
             )
         return loss
 
-    def apply_tower_gradients(self, gradients, variables=None):
+    def apply_tower_gradients(self, gradients, variables=None, optimizer=None):
         """Sums `gradients` over towers, then lets the optimizer clip and apply.
 
         Call it once per tower inside a tower step with the gradients of
         `loss * self.tower_example_weight(n)`. Clipping and the non-finite
         check of LossScaleOptimizer then act on the reduced gradient.
+
+        Args:
+            gradients: this tower's gradients, one per variable (or None).
+            variables: the variables they belong to; default: the model's
+                trainable weights.
+            optimizer: default: the compiled `optimizer`; models trained by
+                several (a GAN's) name the one these variables belong to.
         """
         variables = self.trainable_weights if variables is None else variables
+        optimizer = self.optimizer if optimizer is None else optimizer
         pairs = [(g, v) for g, v in zip(gradients, variables) if g is not None]
         if not pairs:
             raise ValueError(
@@ -259,8 +274,9 @@ class TowerModel(keras.Model):
                 f"depend on the model's weights? Variables: {[v.path for v in variables]}"
             )
         reduced = self._tower_strategy.all_reduce_sum([g for g, _ in pairs])
+        adopt_optimizer(optimizer)
         with gradients_already_reduced():
-            self.optimizer.apply(reduced, [v for _, v in pairs])
+            optimizer.apply(reduced, [v for _, v in pairs])
 
     def run_on_towers(self, fn, data, is_training=False):
         """Calls `fn(tower_data)` once per tower under its TowerContext.
@@ -269,14 +285,27 @@ class TowerModel(keras.Model):
         of an InputSource gives); returns the per-tower results, whose values
         `self.tower_strategy.tower_values(result)` lists in tower order.
         """
-        strategy = self._tower_strategy
-
         def in_tower(tower_data):
-            index = strategy.tower_index()
-            with TowerContext(index, strategy.num_towers, is_training):
+            with self.tower_scope(is_training, getattr(fn, "__qualname__", "run_on_towers")):
                 return fn(tower_data)
 
-        return strategy.run(in_tower, args=(data,))
+        return self._tower_strategy.run(in_tower, args=(data,))
+
+    @contextlib.contextmanager
+    def tower_scope(self, is_training, step_name, name=None):
+        """Inside a tower: enters its TowerContext and the tower rules.
+
+        Only the main tower records `tf.summary` data, and creating a variable
+        raises a TowerRuleError naming `step_name`. In training, the towers'
+        replica-local weights (BatchNormalization's statistics) follow the
+        main tower's when the block ends. Yields the TowerContext.
+        """
+        strategy = self._tower_strategy
+        ctx = TowerContext(strategy.tower_index(), strategy.num_towers, is_training, name=name)
+        with ctx, tf.summary.record_if(ctx.is_main_tower), forbid_variable_creation(step_name):
+            yield ctx
+            if is_training:
+                self._follow_main_tower(ctx)
 
     def _call_tower(self, x, training):
         if self._call_has_training_arg:
@@ -425,19 +454,14 @@ class TowerModel(keras.Model):
         def tower_fn(data):
             index = strategy.tower_index()
             name = f"predict_tower{index}" if mode == "predict" else None
-            ctx = TowerContext(index, strategy.num_towers, is_training, name=name)
             num_examples = _num_examples(data)
-            with ctx, tf.summary.record_if(ctx.is_main_tower), forbid_variable_creation(
-                step_name
-            ):
+            with self.tower_scope(is_training, step_name, name=name) as ctx:
                 if mode == "test" and ctx.total > 1:
                     outputs = _run_unless_empty(tower_step, data, num_examples)
                 else:
                     outputs = tower_step(data)
-                if is_training:
-                    self._follow_main_tower(ctx)
-                if mode != "predict":
-                    _warn_unlogged_outputs(outputs, metric_keys, step_name)
+            if mode != "predict":
+                _warn_unlogged_outputs(outputs, metric_keys, step_name)
             return outputs, num_examples
 
         def run_towers(data):
@@ -475,8 +499,8 @@ class TowerModel(keras.Model):
 
     def make_train_function(self, force=False):
         if self.train_function is None or force:
-            if self.optimizer is not None:
-                adopt_optimizer(self.optimizer)
+            for optimizer in strategies.training_optimizers(self):
+                adopt_optimizer(optimizer)
             self.train_function = self._make_step_function(self.train_step, "train")
         return self.train_function
 
@@ -621,6 +645,7 @@ class TowerModel(keras.Model):
                 steps=steps,
                 model=self,
             )
+        run_hooks = RunHooks(callbacks)
         self.stop_training = False
         self._announced_batch = False
         self._resume_state = None
@@ -656,7 +681,9 @@ class TowerModel(keras.Model):
                 if steps_per_epoch:
                     want = min(want, steps_per_epoch - step)
                 callbacks.on_train_batch_begin(step)
+                run_hooks.before_run()
                 run = self._run_steps(train_function, iterator, want)
+                run_hooks.after_run(run.logs)
                 ran = run.steps
                 if ran:
                     logs = run.logs
@@ -858,6 +885,16 @@ class FunctionalTowerModel(TowerModel, Functional):
 
 
 _FUNCTIONAL_TWINS = {TowerModel: FunctionalTowerModel}
+
+
+def _init_takes_inputs_outputs(cls):
+    """Whether `cls(a, b)` means `(inputs, outputs)`: its `__init__` is
+    TowerModel's or starts with those parameters (a subclass taking, say,
+    a generator and a discriminator is not functional)."""
+    if cls.__init__ is TowerModel.__init__:
+        return True
+    names = list(inspect.signature(cls.__init__).parameters)[1:3]
+    return names == ["inputs", "outputs"]
 
 
 def _functional_twin(cls):

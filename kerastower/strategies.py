@@ -21,6 +21,7 @@ New engines (Horovod, multi-worker) register themselves with
 import functools
 import threading
 
+import keras
 import tensorflow as tf
 
 from kerastower.errors import StrategyError
@@ -35,12 +36,27 @@ __all__ = [
 ]
 
 
+def training_optimizers(model):
+    """The optimizers that train `model`: its compiled `optimizer`, then every
+    other Keras optimizer it holds as an attribute (a GAN's `d_optimizer` and
+    `g_optimizer`), in attribute-name order, each once."""
+    found = [getattr(model, "optimizer", None)]
+    found += [vars(model)[name] for name in sorted(vars(model))]
+    optimizers = []
+    for candidate in found:
+        if isinstance(candidate, keras.optimizers.Optimizer) and all(
+            candidate is not known for known in optimizers
+        ):
+            optimizers.append(candidate)
+    return optimizers
+
+
 def training_state(model):
     """Every variable a training run carries: the model's (random-number
-    states included) and the optimizer's (slots, step counter)."""
+    states included) and its optimizers' (slots, step counters)."""
     variables = list(model.variables)
-    if getattr(model, "optimizer", None) is not None:
-        variables += list(model.optimizer.variables)
+    for optimizer in training_optimizers(model):
+        variables += list(optimizer.variables)
     return variables
 
 

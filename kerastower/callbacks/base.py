@@ -8,11 +8,18 @@ Subclasses override the private template methods; Keras calls the public
 |---|---|---|
 | `_before_train()` | once, before the first step | `on_train_begin` |
 | `_before_epoch()` | at the start of every epoch | `on_epoch_begin` |
+| `_before_run()` | before every hooked run (see below) | the trainer's hooked path |
+| `_after_run(outputs)` | after every hooked run, with what it returned | the trainer's hooked path |
 | `_trigger_step()` | after every step (every k steps with `steps_per_execution=k`) | `on_train_batch_end` |
 | `_after_epoch()` | at the end of every epoch, before `_trigger_epoch` | `on_epoch_end` |
 | `_trigger_epoch()` | at the end of every epoch; default: `_trigger()` | `on_epoch_end` |
 | `_trigger()` | whenever the callback is triggered | `trigger()` |
 | `_after_train()` | once, when training ends | `on_train_end` |
+
+A *hooked run* is a call made through the trainer's hooked path: in `fit`,
+every call of the compiled step function (its outputs are the step's logs);
+under `kt.Trainer`, every `trainer.hooked_run(fn, ...)` (its outputs are what
+`fn` returned). A plain call, made directly, triggers neither hook.
 
 ```python
 import kerastower as kt
@@ -25,7 +32,7 @@ class SayEpoch(kt.callbacks.Callback):
 
 import keras
 
-__all__ = ["Callback"]
+__all__ = ["Callback", "RunHooks"]
 
 
 class Callback(keras.callbacks.Callback):
@@ -94,6 +101,12 @@ class Callback(keras.callbacks.Callback):
     def before_epoch(self):
         self._before_epoch()
 
+    def before_run(self):
+        self._before_run()
+
+    def after_run(self, outputs):
+        self._after_run(outputs)
+
     def trigger_step(self):
         self._trigger_step()
 
@@ -117,6 +130,12 @@ class Callback(keras.callbacks.Callback):
     def _before_epoch(self):
         pass
 
+    def _before_run(self):
+        pass
+
+    def _after_run(self, outputs):
+        pass
+
     def _trigger_step(self):
         pass
 
@@ -134,3 +153,32 @@ class Callback(keras.callbacks.Callback):
 
     def __str__(self):
         return type(self).__name__
+
+
+class RunHooks:
+    """The hooked path: calls `before_run()` and `after_run(outputs)` of the
+    kt callbacks in `callbacks` around a run.
+
+    Args:
+        callbacks: a list or `keras.callbacks.CallbackList`; Keras callbacks
+            in it have no such hooks and are left out.
+    """
+
+    def __init__(self, callbacks):
+        callbacks = getattr(callbacks, "callbacks", callbacks) or []
+        self.callbacks = [cb for cb in callbacks if isinstance(cb, Callback)]
+
+    def before_run(self):
+        for callback in self.callbacks:
+            callback.before_run()
+
+    def after_run(self, outputs):
+        for callback in self.callbacks:
+            callback.after_run(outputs)
+
+    def __call__(self, fn, *args, **kwargs):
+        """`fn(*args, **kwargs)`, between the hooks; returns its outputs."""
+        self.before_run()
+        outputs = fn(*args, **kwargs)
+        self.after_run(outputs)
+        return outputs

@@ -50,7 +50,7 @@ class ProgressBar(keras.callbacks.ProgbarLogger):
         seconds = time.perf_counter() - start_time
         examples = self.model.loop.examples_seen - start_examples
         shown = dict(logs or {})
-        if seconds > 0:
+        if seconds > 0 and examples > 0:
             shown["samples/s"] = examples / seconds
         super().on_train_batch_end(batch, shown)
 

@@ -43,6 +43,12 @@ class ProxyCallback(Callback):
     def _before_epoch(self):
         self.callback.before_epoch()
 
+    def _before_run(self):
+        self.callback.before_run()
+
+    def _after_run(self, outputs):
+        self.callback.after_run(outputs)
+
     def _trigger_step(self):
         self.callback.trigger_step()
 
@@ -137,6 +143,14 @@ class EnableCallbackIf(ProxyCallback):
     def _before_epoch(self):
         if self._enabled():
             super()._before_epoch()
+
+    def _before_run(self):
+        if self._enabled():
+            super()._before_run()
+
+    def _after_run(self, outputs):
+        if self._enabled():
+            super()._after_run(outputs)
 
     def _trigger_step(self):
         if self._enabled():

@@ -1,0 +1,10 @@
+"""Trainers for training that is not one cost under `fit`: `kt.Trainer`
+(the loop, with `run_step()` to override) and the GAN trainers."""
+
+from kerastower.trainers.base import StopTraining
+from kerastower.trainers.base import Trainer
+from kerastower.trainers.gan import GANModel
+from kerastower.trainers.gan import GANTrainer
+from kerastower.trainers.gan import SeparateGANTrainer
+
+__all__ = ["GANModel", "GANTrainer", "SeparateGANTrainer", "StopTraining", "Trainer"]
