@@ -164,4 +164,7 @@ class AutoResume(Callback):
             )
         self.model._after_restore()
         self.model._resume_state = state
+        if self.model.loop.iterations is not None:
+            # kt.Trainer counts its iterations itself (fit's are the optimizer's).
+            self.model.loop.iterations = state["global_step"]
         self.restored_from = path
