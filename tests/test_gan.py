@@ -1,0 +1,166 @@
+"""GAN trainers: data-parallel exactly, training on the digits images, step
+periods, checkpoints holding both optimizers, and the example script."""
+
+import math
+import os
+import re
+import subprocess
+import sys
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import kerastower as kt
+from conftest import TWO
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(ROOT, "examples"))
+import gan_digits  # noqa: E402
+
+
+class NoiseFromInput(kt.GANModel):
+    """Takes its noise from the input, (real, noise), so that runs with any
+    number of towers see the same numbers."""
+
+    def real_samples(self, data):
+        return data[0]
+
+    def sample_noise(self, data):
+        return data[1]
+
+
+def tiny_gan(cls=kt.GANModel):
+    keras.utils.set_random_seed(7)
+    generator = keras.Sequential(
+        [keras.Input((4,)), keras.layers.Dense(8, activation="relu"), keras.layers.Dense(3)]
+    )
+    discriminator = keras.Sequential(
+        [keras.Input((3,)), keras.layers.Dense(8, activation="relu"), keras.layers.Dense(1)]
+    )
+    gan = cls(generator, discriminator, seed=3)
+    gan.compile(
+        g_optimizer=keras.optimizers.Adam(1e-2, beta_1=0.5),
+        d_optimizer=keras.optimizers.SGD(0.1, momentum=0.9),
+    )
+    return gan
+
+
+def real_and_noise(batch):
+    rng = np.random.default_rng(0)
+    real = rng.normal(2.0, 0.5, (512, 3)).astype("float32")
+    noise = rng.normal(0.0, 1.0, (512, 4)).astype("float32")
+    return tf.data.Dataset.from_tensor_slices((real, noise)).repeat().batch(batch)
+
+
+def test_two_towers_equal_one_tower_on_the_joined_batches():
+    weights = {}
+    for devices, batch in ((TWO[:1], 16), (TWO, 8)):
+        with kt.distributed("mirrored", devices=devices):
+            gan = tiny_gan(NoiseFromInput)
+            trainer = kt.GANTrainer(gan, kt.DatasetInput(real_and_noise(batch)))
+            history = trainer.train(steps_per_epoch=5, max_epoch=2, verbose=0)
+        weights[len(devices)] = ([w.numpy() for w in gan.generator.weights + gan.discriminator.weights], history.history)
+        assert int(gan.g_optimizer.iterations.numpy()) == int(gan.d_optimizer.iterations.numpy()) == 10
+    (one, one_logs), (two, two_logs) = weights[1], weights[2]
+    assert not np.allclose(one[0], tiny_gan().generator.weights[0].numpy())  # it trained
+    for a, b in zip(one, two):
+        np.testing.assert_allclose(b, a, atol=1e-5)
+    for key in ("g_loss", "d_loss"):
+        np.testing.assert_allclose(two_logs[key], one_logs[key], atol=1e-5)
+
+
+@pytest.mark.parametrize("towers", [1, 2])
+def test_gan_learns_the_digits(towers):
+    images, labels = gan_digits.load_images()
+    real = tf.data.Dataset.from_tensor_slices(images).shuffle(len(images), seed=0)
+    real = real.repeat().batch(64 // towers, drop_remainder=True)
+    with kt.distributed("mirrored", devices=TWO[:towers]):
+        keras.utils.set_random_seed(0)
+        gan = gan_digits.build_gan()
+        confident_before, _ = gan_digits.judge(gan.generate(1000), images, labels)
+        history = kt.GANTrainer(gan, kt.DatasetInput(real)).train(
+            steps_per_epoch=200, max_epoch=4, verbose=0
+        )
+    confident_after, digits = gan_digits.judge(gan.generate(1000), images, labels)
+    d_loss, g_loss = history.history["d_loss"], history.history["g_loss"]
+    # At the start neither side knows anything: d_loss = 2 log 2, g_loss = log 2.
+    # The discriminator learns first (d_loss below 2 log 2, g_loss above log 2);
+    # then the generator catches up and d_loss climbs back toward 2 log 2.
+    assert d_loss[0] < 2 * math.log(2) - 0.2, d_loss
+    assert g_loss[0] > math.log(2) + 0.3, g_loss
+    assert d_loss[-1] > d_loss[0], d_loss
+    assert confident_before < 0.05 and confident_after > 0.25, (confident_before, confident_after)
+    assert digits >= 7, digits
+
+
+def test_separate_gan_trainer_runs_each_side_on_its_period(two_towers):
+    runs = []
+
+    class Runs(kt.callbacks.Callback):
+        def _after_run(self, outputs):
+            runs.append((self.global_step, sorted(outputs)))
+
+    gan = tiny_gan()
+    real = tf.data.Dataset.from_tensor_slices(np.ones((64, 3), "float32")).repeat().batch(4)
+    trainer = kt.SeparateGANTrainer(gan, kt.DatasetInput(real), d_period=3, g_period=2)
+    history = trainer.train([Runs()], steps_per_epoch=13, verbose=0)
+    assert int(gan.d_optimizer.iterations.numpy()) == math.ceil(13 / 3) == 5
+    assert int(gan.g_optimizer.iterations.numpy()) == math.ceil(13 / 2) == 7
+    expected = []
+    for step in range(13):
+        if step % 3 == 0:
+            expected.append((step, ["d_loss"]))
+        if step % 2 == 0:
+            expected.append((step, ["g_loss"]))
+    assert runs == expected
+    assert trainer.loop.tower_batches == [13, 13]
+    assert set(history.history) == {"d_loss", "g_loss"}
+
+
+def test_gan_checkpoint_holds_both_optimizers_and_resumes_exactly(tmp_path, two_towers):
+    def run(epochs, checkpoint_dir=None):
+        gan = tiny_gan()
+        callbacks = []
+        if checkpoint_dir:
+            callbacks = [kt.callbacks.AutoResume(checkpoint_dir), kt.callbacks.ModelSaver(checkpoint_dir)]
+        real = real_and_noise(8).map(lambda r, n: r)
+        kt.GANTrainer(gan, kt.DatasetInput(real)).train(callbacks, steps_per_epoch=4, max_epoch=epochs, verbose=0)
+        return gan
+
+    straight = run(3)
+    run(1, str(tmp_path))
+    resumed = run(3, str(tmp_path))
+    for a, b in zip(straight.variables, resumed.variables):
+        np.testing.assert_array_equal(b.numpy(), a.numpy(), err_msg=a.path)
+    for name in ("g_optimizer", "d_optimizer"):
+        for a, b in zip(getattr(straight, name).variables, getattr(resumed, name).variables):
+            np.testing.assert_array_equal(b.numpy(), a.numpy(), err_msg=a.path)
+
+
+def test_gan_errors_say_what_to_do():
+    gan = tiny_gan()
+    with pytest.raises(TypeError, match="kt.GANModel"):
+        kt.GANTrainer(kt.TowerModel(), tf.data.Dataset.range(3))
+    with pytest.raises(ValueError, match="d_period must be a positive int"):
+        kt.SeparateGANTrainer(gan, tf.data.Dataset.range(3), d_period=0)
+    uncompiled = kt.GANModel(gan.generator, gan.discriminator)
+    with pytest.raises(ValueError, match=r"call gan.compile\(g_optimizer"):
+        kt.GANTrainer(uncompiled, tf.data.Dataset.range(3)).train(steps_per_epoch=1, verbose=0)
+    with pytest.raises(ValueError, match="pass latent_dim"):
+        kt.GANModel(keras.layers.Dense(3), gan.discriminator)
+
+
+def test_gan_digits_example_runs(tmp_path):
+    result = subprocess.run(
+        [sys.executable, os.path.join(ROOT, "examples", "gan_digits.py"), "--logdir", str(tmp_path)],
+        capture_output=True, text=True, timeout=600, cwd=ROOT,
+    )
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    out = result.stdout
+    assert "towers: 2, iterations: 1500" in out, out
+    confident = float(re.search(r"confident samples after: ([0-9.]+) \((\d+) digits", out).group(1))
+    digits = int(re.search(r"confident samples after: [0-9.]+ \((\d+) digits", out).group(1))
+    assert confident > 0.3 and digits >= 9, out
+    assert os.path.exists(tmp_path / "stats.json")
