@@ -16,6 +16,10 @@ import tensorflow as tf  # noqa: E402
 
 import kerastower as kt  # noqa: E402
 
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples"))
+from kmeans_digits import KMeans  # noqa: E402
+from kmeans_digits import MiniBatchKMeansTrainer  # noqa: E402
+
 B = 8
 
 
@@ -60,6 +64,51 @@ def assert_equals_one_process(weights_file, result):
     assert result["predict_rows"] == 96
 
 
+class NoiseFromInput(kt.GANModel):
+    """Noise comes with the input, (real, noise): every run sees the same."""
+
+    def real_samples(self, data):
+        return data[0]
+
+    def sample_noise(self, data):
+        return data[1]
+
+
+def build_gan():
+    keras.utils.set_random_seed(7)
+    generator = keras.Sequential([keras.Input((4,)), keras.layers.Dense(8, activation="relu"),
+                                  keras.layers.Dense(3)])
+    discriminator = keras.Sequential([keras.Input((3,)), keras.layers.Dense(8, activation="relu"),
+                                      keras.layers.Dense(1)])
+    gan = NoiseFromInput(generator, discriminator)
+    gan.compile(g_optimizer=keras.optimizers.Adam(1e-2), d_optimizer=keras.optimizers.Adam(1e-2))
+    return gan
+
+
+def trainer_data(batch):
+    rng = np.random.default_rng(1)
+    real = rng.normal(2.0, 0.5, (128, 3)).astype("float32")
+    noise = rng.normal(0.0, 1.0, (128, 4)).astype("float32")
+    return tf.data.Dataset.from_tensor_slices((real, noise)).batch(batch).repeat()
+
+
+def run_trainers(batch):
+    """A GAN and a k-means trained by kt.Trainer subclasses; their weights."""
+    gan = build_gan()
+    kt.GANTrainer(gan, trainer_data(batch)).train(steps_per_epoch=4, max_epoch=2, verbose=0)
+    points = trainer_data(batch).map(lambda real, noise: real)
+    kmeans = KMeans(np.array([[1.0, 1.0, 1.0], [3.0, 3.0, 3.0]], "float32"))
+    MiniBatchKMeansTrainer(kmeans, points).train(steps_per_epoch=4, max_epoch=2, verbose=0)
+    return [w.numpy() for w in gan.generator.weights + gan.discriminator.weights] + [
+        kmeans.centroids.numpy(), kmeans.counts.numpy()]
+
+
+def assert_trainers_equal_one_process(weights_file):
+    saved = np.load(weights_file)
+    for key, weight in zip(saved.files, run_trainers(2 * B)):
+        np.testing.assert_allclose(saved[key], weight, atol=1e-5)
+
+
 def train(out):
     strategy = kt.distributed("horovod")
     with strategy as tower_strategy:
@@ -101,6 +150,9 @@ def train(out):
         results["resume_equal"] = all(
             np.array_equal(a, b) for a, b in zip(resumed.get_weights(), straight.get_weights()))
         results["resumed_step"] = int(resumed.optimizer.iterations.numpy())
+
+        # 4. kt.Trainer runs (a GAN, k-means) are data-parallel over ranks too.
+        np.savez(os.path.join(out, f"trainer_weights_rank{rank}.npz"), *run_trainers(B))
     with open(os.path.join(out, f"results_rank{rank}.json"), "w") as f:
         json.dump(results, f)
 

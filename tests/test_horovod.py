@@ -59,6 +59,16 @@ def test_two_ranks_equal_one_process_on_the_joined_batches(trained):
     script.assert_equals_one_process(out / "weights_rank0.npz", r0)
 
 
+def test_trainers_under_horovod_equal_one_process(trained):
+    """kt.GANTrainer and a k-means kt.Trainer on 2 ranks x batch 8 end where
+    one process on batch 16 does, on both ranks."""
+    import horovod_script as script
+
+    out, _ = trained
+    for rank in (0, 1):
+        script.assert_trainers_equal_one_process(out / f"trainer_weights_rank{rank}.npz")
+
+
 def test_only_rank_0_writes_logs_and_checkpoints(trained):
     out, _ = trained
     assert (out / "logs_rank0" / "stats.json").exists() and os.listdir(out / "ckpt_rank0")
