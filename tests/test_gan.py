@@ -1,6 +1,7 @@
 """GAN trainers: data-parallel exactly, training on the digits images, step
 periods, checkpoints holding both optimizers, and the example script."""
 
+import json
 import math
 import os
 import re
@@ -11,6 +12,7 @@ import keras
 import numpy as np
 import pytest
 import tensorflow as tf
+from tensorboard.backend.event_processing import event_accumulator
 
 import kerastower as kt
 from conftest import TWO
@@ -163,4 +165,12 @@ def test_gan_digits_example_runs(tmp_path):
     confident = float(re.search(r"confident samples after: ([0-9.]+) \((\d+) digits", out).group(1))
     digits = int(re.search(r"confident samples after: [0-9.]+ \((\d+) digits", out).group(1))
     assert confident > 0.3 and digits >= 9, out
-    assert os.path.exists(tmp_path / "stats.json")
+    with open(tmp_path / "stats.json") as f:
+        records = json.load(f)
+    assert [r["global_step"] for r in records] == [250 * e for e in range(1, 7)]
+    accumulator = event_accumulator.EventAccumulator(str(tmp_path / "train"))
+    accumulator.Reload()
+    tags = accumulator.Tags()["tensors"]
+    assert {"epoch_d_loss", "epoch_g_loss", "batch_d_loss"} <= set(tags), tags
+    d_losses = [float(tf.make_ndarray(e.tensor_proto)) for e in accumulator.Tensors("epoch_d_loss")]
+    np.testing.assert_allclose(d_losses, [r["d_loss"] for r in records], rtol=1e-5)

@@ -147,6 +147,26 @@ def test_loop_calls_hooks_in_order_and_counts():
     assert history.history == {"value": [1.0, 4.0]}
 
 
+def test_fit_makes_each_step_function_call_a_hooked_run(two_towers):
+    runs = []
+
+    class Runs(kt.callbacks.Callback):
+        def _before_run(self):
+            runs.append(("before", self.global_step))
+
+        def _after_run(self, outputs):
+            runs.append(("after", self.global_step, None if outputs is None else sorted(outputs)))
+
+    inputs = keras.Input((2,))
+    model = kt.TowerModel(inputs, keras.layers.Dense(1)(inputs))
+    model.compile(optimizer="sgd", loss="mse", steps_per_execution=2)
+    x = np.ones((48, 2), "float32")
+    model.fit(x, x[:, :1], batch_size=4, epochs=1, verbose=0, callbacks=[Runs()])
+    # 48 examples / (2 towers x 4) = 6 steps, run 2 per call; one pass over
+    # data ends with a call that finds no data left and runs no step.
+    assert runs == [r for step in (0, 2, 4, 6) for r in (("before", step), ("after", min(step + 2, 6), ["loss"]))]
+
+
 def test_training_continues_from_its_global_step_and_starting_epoch():
     events = []
     trainer = TwoCallsTrainer(Counter())
