@@ -17,19 +17,9 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
 import numpy as np  # noqa: E402
 import tensorflow as tf  # noqa: E402
+from example_devices import tower_devices  # noqa: E402
 
 LATENT_DIM = 32
-
-
-def make_devices(towers):
-    """One tower per GPU when there are GPUs; else the CPU split in `towers`."""
-    if tf.config.list_physical_devices("GPU"):
-        return [d.name for d in tf.config.list_logical_devices("GPU")][:towers]
-    cpu = tf.config.list_physical_devices("CPU")[0]
-    tf.config.set_logical_device_configuration(
-        cpu, [tf.config.LogicalDeviceConfiguration() for _ in range(towers)]
-    )
-    return [f"/cpu:{i}" for i in range(towers)]
 
 
 def load_images():
@@ -93,7 +83,7 @@ def main():
     parser.add_argument("--logdir", default=None)
     args = parser.parse_args()
 
-    devices = make_devices(args.towers)
+    devices = tower_devices(args.towers, gpu_towers=args.towers)
     import keras
 
     import kerastower as kt

@@ -18,6 +18,7 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 import keras  # noqa: E402
 import numpy as np  # noqa: E402
 import tensorflow as tf  # noqa: E402
+from example_devices import tower_devices  # noqa: E402
 
 import kerastower as kt  # noqa: E402
 
@@ -86,16 +87,6 @@ class MiniBatchKMeansTrainer(kt.Trainer):
         }
 
 
-def make_devices(towers):
-    if tf.config.list_physical_devices("GPU"):
-        return [d.name for d in tf.config.list_logical_devices("GPU")][:towers]
-    cpu = tf.config.list_physical_devices("CPU")[0]
-    tf.config.set_logical_device_configuration(
-        cpu, [tf.config.LogicalDeviceConfiguration() for _ in range(towers)]
-    )
-    return [f"/cpu:{i}" for i in range(towers)]
-
-
 def purity(assignments, labels, k):
     """The share of points whose cluster's most common digit is theirs."""
     agree = 0
@@ -117,7 +108,7 @@ def main():
     parser.add_argument("--ckpt", default=None, help="checkpoint directory (auto-resume)")
     args = parser.parse_args()
 
-    devices = make_devices(args.towers)
+    devices = tower_devices(args.towers, gpu_towers=args.towers)
     digits = load_digits()
     points = (digits.data / 16.0).astype("float32")
     rng = np.random.default_rng(0)

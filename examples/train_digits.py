@@ -14,18 +14,7 @@ import os
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
-import tensorflow as tf  # noqa: E402
-
-
-def make_devices(cpu_towers):
-    """Splits the CPU into `cpu_towers` logical devices when there is no GPU."""
-    if tf.config.list_physical_devices("GPU"):
-        return None
-    cpu = tf.config.list_physical_devices("CPU")[0]
-    tf.config.set_logical_device_configuration(
-        cpu, [tf.config.LogicalDeviceConfiguration() for _ in range(cpu_towers)]
-    )
-    return [f"/cpu:{i}" for i in range(cpu_towers)]
+from example_devices import tower_devices  # noqa: E402
 
 
 def load_digits():
@@ -66,7 +55,7 @@ def main():
     parser.add_argument("--logdir", default=os.path.join("logs", "digits"))
     args = parser.parse_args()
 
-    devices = make_devices(args.cpu_towers)
+    devices = tower_devices(args.cpu_towers)
 
     import keras
 

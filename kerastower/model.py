@@ -634,17 +634,7 @@ class TowerModel(keras.Model):
         self._seed_towers_apart()
         steps = steps_per_epoch or source.steps(self.num_towers)
         if not isinstance(callbacks, keras.callbacks.CallbackList):
-            callbacks = keras.callbacks.CallbackList(
-                self._callbacks_for_this_process(
-                    _with_default_monitors(callbacks, verbose, logdir)
-                ),
-                add_history=True,
-                add_progbar=False,
-                verbose=verbose,
-                epochs=epochs,
-                steps=steps,
-                model=self,
-            )
+            callbacks = self._training_callbacks(callbacks, verbose, logdir, epochs, steps)
         run_hooks = RunHooks(callbacks)
         self.stop_training = False
         self._announced_batch = False
@@ -731,6 +721,19 @@ class TowerModel(keras.Model):
             return 0, None
         local_step = state["local_step"] if state["local_step"] < steps_per_epoch else 0
         return local_step, state["tower_batches"]
+
+    def _training_callbacks(self, callbacks, verbose, logdir, epochs, steps):
+        """The CallbackList a training run calls: the user's callbacks with
+        the default monitors, those of this process only, with a History."""
+        return keras.callbacks.CallbackList(
+            self._callbacks_for_this_process(_with_default_monitors(callbacks, verbose, logdir)),
+            add_history=True,
+            add_progbar=False,
+            verbose=verbose,
+            epochs=epochs,
+            steps=steps,
+            model=self,
+        )
 
     def _callbacks_for_this_process(self, callbacks):
         """Drops `chief_only` callbacks on processes that are not the chief.

@@ -38,7 +38,6 @@ assert float(model.total.numpy()) == 40.0
 import functools
 import warnings
 
-import keras
 import numpy as np
 import tensorflow as tf
 from keras.src.utils import io_utils
@@ -52,7 +51,6 @@ from kerastower.inputs import as_input_source
 from kerastower.loop import LoopState
 from kerastower.model import TowerModel
 from kerastower.model import _num_examples
-from kerastower.model import _with_default_monitors
 
 __all__ = ["Trainer", "StopTraining"]
 
@@ -249,16 +247,8 @@ class Trainer:
             self._is_set_up = True
         self.strategy.sync_initial_state(self.model)
         self.model._seed_towers_apart()
-        callbacks = keras.callbacks.CallbackList(
-            self.model._callbacks_for_this_process(
-                _with_default_monitors(callbacks, verbose, logdir)
-            ),
-            add_history=True,
-            add_progbar=False,
-            verbose=verbose,
-            epochs=max_epoch,
-            steps=steps_per_epoch,
-            model=self.model,
+        callbacks = self.model._training_callbacks(
+            callbacks, verbose, logdir, epochs=max_epoch, steps=steps_per_epoch
         )
         self._run_hooks = RunHooks(callbacks)
         fit_loop, self.model.loop = self.model.loop, self.loop
