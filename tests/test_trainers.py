@@ -288,6 +288,15 @@ def test_trainer_errors_say_what_to_do():
     with pytest.raises(kt.KerasTowerError, match="must return a dict"):
         Takes(Counter(), tf.data.Dataset.range(4).batch(2).repeat()).train(steps_per_epoch=1, verbose=0)
 
+    class CreatesVariable(Takes):
+        @kt.Trainer.tower_function
+        def not_a_dict(self, batch):
+            return {"x": tf.Variable(1.0) * 2.0}
+
+    with pytest.raises(kt.TowerRuleError, match="not_a_dict"):
+        CreatesVariable(Counter(), tf.data.Dataset.range(4).batch(2).repeat()).train(
+            steps_per_epoch=1, verbose=0)
+
     class Short(Takes):
         def run_step(self):
             self.next_batches()
