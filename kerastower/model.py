@@ -166,6 +166,15 @@ class TowerModel(keras.Model):
         return super().__new__(cls)
 
     def __init__(self, *args, **kwargs):
+        if functional_init_arguments(args, kwargs) and not isinstance(self, Functional):
+            # Keras would make this class, and TowerModel with it, functional
+            # for good by rewriting their bases.
+            raise TypeError(
+                f"{type(self).__name__}.__init__ passed (inputs, outputs) on to "
+                "TowerModel, but was called with other arguments. Name the first "
+                "two parameters of __init__ `inputs, outputs`, or do not pass two "
+                "positional arguments to super().__init__()."
+            )
         super().__init__(*args, **kwargs)
         self._tower_strategy = strategies.current_strategy()
         # Lists of variables set as model attributes would be tracked by Keras
@@ -896,8 +905,11 @@ def _init_takes_inputs_outputs(cls):
     a generator and a discriminator is not functional)."""
     if cls.__init__ is TowerModel.__init__:
         return True
-    names = list(inspect.signature(cls.__init__).parameters)[1:3]
-    return names == ["inputs", "outputs"]
+    params = list(inspect.signature(cls.__init__).parameters.values())[1:3]
+    passes_through = (inspect.Parameter.VAR_POSITIONAL, inspect.Parameter.VAR_KEYWORD)
+    if params and params[0].kind in passes_through:
+        return True
+    return [p.name for p in params] == ["inputs", "outputs"]
 
 
 def _functional_twin(cls):

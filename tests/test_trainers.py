@@ -305,6 +305,80 @@ def test_trainer_errors_say_what_to_do():
         Short(Counter(), tf.data.Dataset.range(4).batch(2)).train(steps_per_epoch=5, verbose=0)
 
 
+def test_tower_function_errors_and_overrides(two_towers):
+    class Parent(kt.Trainer):
+        def run_step(self):
+            return self.hooked_run(self.values, self.next_batches())
+
+        @kt.Trainer.tower_function
+        def values(self, batch):
+            return {"parent": tf.constant(1.0)}
+
+    class Child(Parent):
+        @kt.Trainer.tower_function
+        def values(self, batch):
+            # super()'s tower function is its own compiled function
+            return {"child": tf.constant(2.0), **super().values.fn(batch)}
+
+    child = Child(Counter(), tf.data.Dataset.range(8).batch(2).repeat())
+    history = child.train(steps_per_epoch=1, verbose=0)
+    assert history.history == {"child": [2.0], "parent": [1.0]}
+
+    class NotABatchFirst(Parent):
+        def run_step(self):
+            return self.hooked_run(self.scaled, 2.0, self.next_batches())
+
+        @kt.Trainer.tower_function
+        def scaled(self, factor, batch):
+            return {"x": factor * tf.cast(tf.reduce_sum(batch), "float32")}
+
+    with pytest.raises(kt.KerasTowerError, match="first argument, which is not a batch"):
+        NotABatchFirst(Counter(), tf.data.Dataset.range(8).batch(2).repeat()).train(
+            steps_per_epoch=1, verbose=0)
+
+    class OptimizerOnTrainer(Parent):
+        def __init__(self, *args):
+            super().__init__(*args)
+            self.optimizer = keras.optimizers.Adam()
+
+    with pytest.raises(kt.KerasTowerError, match=r"Set it on the model instead \(self.model.optimizer"):
+        OptimizerOnTrainer(Counter(), tf.data.Dataset.range(8).batch(2).repeat()).train(
+            steps_per_epoch=1, verbose=0)
+
+
+def test_stop_training_from_after_train_is_clean():
+    class StopLate(kt.callbacks.Callback):
+        def _after_train(self):
+            raise kt.StopTraining()
+
+    trainer = TwoCallsTrainer(Counter())
+    trainer.train([StopLate()], steps_per_epoch=2, verbose=0)
+    assert trainer.global_step == 2
+
+
+def test_subclass_constructors_leave_tower_model_alone():
+    class PassesThrough(kt.TowerModel):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+
+    class TakesTwo(kt.TowerModel):
+        def __init__(self, a, b, **kwargs):
+            super().__init__(**kwargs)
+
+    class ForwardsTwo(kt.TowerModel):
+        def __init__(self, a, b, **kwargs):
+            super().__init__(a, b, **kwargs)
+
+    inputs = keras.Input((2,))
+    outputs = keras.layers.Dense(1)(inputs)
+    assert PassesThrough(inputs, outputs).outputs
+    assert type(TakesTwo(1, 2)).__mro__[1] is kt.TowerModel
+    with pytest.raises(TypeError, match="Name the first two parameters"):
+        ForwardsTwo(inputs, outputs)
+    assert kt.TowerModel.__bases__ == (keras.Model,)
+    assert Counter().total.shape == ()
+
+
 # ----------------------------------------------------------------------
 # Training without gradients: mini-batch k-means.
 
@@ -359,6 +433,20 @@ def test_kmeans_resumes_from_a_checkpoint(tmp_path):
     np.testing.assert_array_equal(resumed.model.centroids.numpy(), straight.model.centroids.numpy())
     assert resumed_history.history["inertia"] == straight_history.history["inertia"][1:]
     assert [step for step, _ in kt.checkpoint.list_checkpoints(str(tmp_path))] == [8, 16, 24]
+
+
+def test_resume_with_another_epoch_length_goes_on_from_the_input_position(tmp_path):
+    kmeans_run(TWO, 16, epochs=2, checkpoint_dir=str(tmp_path))   # 16 steps of 8
+    points = blobs()
+    data = tf.data.Dataset.from_tensor_slices(points).shuffle(2048, seed=1).repeat().batch(16)
+    events = []
+    with kt.distributed("mirrored", devices=TWO):
+        trainer = MiniBatchKMeansTrainer(KMeans(points[[0, 1, 2, 3]] + 1.0), kt.DatasetInput(data))
+        trainer.train([kt.callbacks.AutoResume(str(tmp_path)), EventLogNoValue(events)],
+                      steps_per_epoch=5, max_epoch=4, verbose=0)
+    # Epochs 1-2 are done; 3 and 4 run, 5 steps each, from batch 16 of each tower on.
+    assert [e[1] for e in events if e[0] == "before_epoch"] == [3, 4]
+    assert trainer.global_step == 26 and trainer.loop.tower_batches == [26, 26]
 
 
 class EventLogNoValue(EventLog):

@@ -38,6 +38,7 @@ assert float(model.total.numpy()) == 40.0
 import functools
 import warnings
 
+import keras
 import numpy as np
 import tensorflow as tf
 from keras.src.utils import io_utils
@@ -51,6 +52,7 @@ from kerastower.inputs import as_input_source
 from kerastower.loop import LoopState
 from kerastower.model import TowerModel
 from kerastower.model import _num_examples
+from kerastower.strategies import training_optimizers
 
 __all__ = ["Trainer", "StopTraining"]
 
@@ -181,14 +183,25 @@ class Trainer:
                 ".repeat() on the dataset."
             )
         self.loop.tower_batches = [n + 1 for n in self.loop.tower_batches]
-        return batches()
+        batches = batches()
+        self.loop.examples_seen += self._examples_in(batches)
+        return batches
+
+    def _examples_in(self, batches):
+        """Examples in one step's batches, all towers counted. A process sees
+        its own towers' batches; with one tower per process (Horovod,
+        multi-worker), the others are counted as the same size: an endless
+        input gives every tower a whole batch."""
+        local = [int(_num_examples(batch)) for batch in self.strategy.tower_values(batches)]
+        return sum(local) * self.num_towers // max(len(local), 1)
 
     @staticmethod
     def tower_function(fn=None, *, reduce="mean", training=True):
         """Makes `fn` a data-parallel step: run once per tower, results reduced.
 
-        Use it as a decorator on a trainer (or model) method, or call it on a
-        function. The result takes what `fn` takes, per-tower values (what
+        Use it as a decorator on a method of a `kt.Trainer` or `kt.TowerModel`
+        subclass, or call it on such a bound method
+        (`Trainer.tower_function(self.step)`). The result takes what `fn` takes, per-tower values (what
         `next_batches()` returns) included; it runs `fn` once per tower,
         inside the tower's `TowerContext` and tower rules (see
         `TowerModel.tower_scope`), compiled with `tf.function`.
@@ -196,8 +209,8 @@ class Trainer:
         `fn` returns a dict of values; each is reduced over towers:
 
         - `reduce="mean"`: the mean weighted by each tower's batch size (the
-          first argument's), right for per-batch mean losses; a plain mean
-          when `fn` takes no batch.
+          first argument's, which must be a batch), right for per-batch mean
+          losses; a plain mean when `fn` takes no argument.
         - `reduce="sum"`: the sum (float64 while summing, for exact counts).
         - `reduce=None`: a list with each tower's value, in tower order.
 
@@ -245,6 +258,7 @@ class Trainer:
             with self.strategy.scope():
                 self._setup()
             self._is_set_up = True
+        self._check_optimizers_are_on_the_model()
         self.strategy.sync_initial_state(self.model)
         self.model._seed_towers_apart()
         callbacks = self.model._training_callbacks(
@@ -310,7 +324,10 @@ class Trainer:
 
     def _after_train(self, callbacks, logs, failed=False):
         if not failed:
-            callbacks.on_train_end(logs)
+            try:
+                callbacks.on_train_end(logs)
+            except StopTraining:
+                pass
             return
         try:
             callbacks.on_train_end(logs)
@@ -327,13 +344,28 @@ class Trainer:
         if state is None:
             return starting_epoch, 0
         self.loop.iterations = state["global_step"]
-        if state["steps_per_epoch"] != steps_per_epoch:
-            # Another epoch length: only the global step carries over.
-            return starting_epoch, 0
         self.loop.tower_batches = list(state["tower_batches"])
+        if state["steps_per_epoch"] != steps_per_epoch:
+            # Another epoch length: go on with the epoch after the saved one.
+            io_utils.print_msg(
+                f"{type(self).__name__}: the checkpoint was written with "
+                f"steps_per_epoch={state['steps_per_epoch']}; with {steps_per_epoch} "
+                f"now, training goes on at epoch {state['epoch_num'] + 1}, step 0."
+            )
+            return state["epoch_num"] + 1, 0
         if state["local_step"] < steps_per_epoch:
             return state["epoch_num"], state["local_step"]
         return state["epoch_num"] + 1, 0
+
+    def _check_optimizers_are_on_the_model(self):
+        saved = training_optimizers(self.model)
+        for name, value in sorted(vars(self).items()):
+            if isinstance(value, keras.optimizers.Optimizer) and all(value is not o for o in saved):
+                raise KerasTowerError(
+                    f"{type(self).__name__}.{name} is an optimizer held by the trainer: "
+                    "checkpoints save, and Horovod broadcasts, only what the model "
+                    f"holds. Set it on the model instead (self.model.{name} = ...)."
+                )
 
     def _check_loop_arguments(self, steps_per_epoch, starting_epoch, max_epoch):
         if not isinstance(steps_per_epoch, (int, np.integer)) or steps_per_epoch < 1:
@@ -366,19 +398,20 @@ class _TowerFunction:
         self.owner = owner if owner is not None else getattr(fn, "__self__", None)
         self._compiled = None
 
-    def __set_name__(self, owner_class, name):
-        self._attribute = f"_kerastower_tower_fn_{name}"
-
     def __get__(self, instance, owner_class=None):
         if instance is None:
             return self
-        bound = instance.__dict__.get(self._attribute)
+        # One compiled function per instance and per definition: a subclass
+        # overriding a tower function can still call super()'s.
+        bound_functions = instance.__dict__.setdefault("_kerastower_tower_functions", {})
+        bound = bound_functions.get(id(self))
         if bound is None:
             bound = _TowerFunction(
                 functools.partial(self.fn, instance), self.reduce, self.training, owner=instance
             )
             bound.__name__ = getattr(self.fn, "__name__", "tower_function")
-            instance.__dict__[self._attribute] = bound
+            bound.__qualname__ = getattr(self.fn, "__qualname__", bound.__name__)
+            bound_functions[id(self)] = bound
         return bound
 
     def _model(self):
@@ -393,17 +426,14 @@ class _TowerFunction:
         return model
 
     def __call__(self, *args):
-        model = self._model()
         if self._compiled is None:
-            self._compiled = self._make(model)
-        outputs, examples = self._compiled(*args)
-        model.loop.examples_seen += int(examples)
-        return outputs
+            self._compiled = self._make(self._model())
+        return self._compiled(*args)
 
     def _make(self, model):
         strategy = model.tower_strategy
         reduce = self.reduce
-        name = getattr(self.fn, "__qualname__", self.__name__)
+        name = getattr(self, "__qualname__", self.__name__)
 
         def in_tower(*args):
             with model.tower_scope(self.training, name):
@@ -413,23 +443,37 @@ class _TowerFunction:
                     f"tower_function {name!r} must return a dict of values to "
                     f"reduce over towers; got {type(outputs).__name__}."
                 )
-            num_examples = _num_examples(args[0]) if args else tf.constant(0)
-            weight = tf.cast(num_examples if args else 1, tf.float64)
-            if reduce == "mean":
-                outputs = {k: tf.cast(v, tf.float64) * weight for k, v in outputs.items()}
-            return outputs, weight, num_examples
+            if reduce != "mean":
+                return outputs, tf.constant(1.0, tf.float64)
+            weight = tf.cast(_batch_size(args[0], name) if args else 1, tf.float64)
+            return {k: tf.cast(v, tf.float64) * weight for k, v in outputs.items()}, weight
 
         def run(*args):
-            outputs, weights, num_examples = strategy.run(in_tower, args=args)
-            examples = strategy.sum_over_towers(num_examples)
+            outputs, weights = strategy.run(in_tower, args=args)
             if reduce is None:
-                return {k: strategy.tower_values(v) for k, v in outputs.items()}, examples
+                return {k: strategy.tower_values(v) for k, v in outputs.items()}
             sums = {k: strategy.sum_over_towers(v) for k, v in outputs.items()}
             if reduce == "mean":
                 total = strategy.sum_over_towers(weights)
                 sums = {k: tf.math.divide_no_nan(v, total) for k, v in sums.items()}
-            return sums, examples
+            return sums
 
         if model.run_eagerly:
             return run
         return tf.function(run, reduce_retracing=True)
+
+
+def _batch_size(batch, name):
+    """The number of examples in a tower's batch, which weights its mean."""
+    first = next((t for t in tf.nest.flatten(batch) if t is not None), None)
+    try:
+        tensor = tf.convert_to_tensor(first)
+    except (TypeError, ValueError):
+        tensor = None
+    if tensor is None or tensor.shape.rank == 0:
+        raise KerasTowerError(
+            f"tower_function {name!r} with reduce=\"mean\" weights each tower's "
+            "values by the batch size of its first argument, which is not a batch "
+            f"(got {first!r}). Pass the tower's batch first, or use reduce=\"sum\" or None."
+        )
+    return tf.shape(tensor)[0]

@@ -68,15 +68,26 @@ class GANModel(TowerModel):
         self.discriminator = discriminator
         self.latent_dim = latent_dim
         self.noise_seed = keras.random.SeedGenerator(seed)
+        # generate() draws outside the towers: from a stream of its own, or
+        # it would set every tower's copy of the training stream alike.
+        self.sample_seed = keras.random.SeedGenerator(None if seed is None else seed + 1)
         self.g_optimizer = None
         self.d_optimizer = None
 
     def compile(self, g_optimizer, d_optimizer, **kwargs):
         """Gives the generator and the discriminator each its optimizer
         (instances or names, as `keras.optimizers.get` takes)."""
+        g_optimizer = keras.optimizers.get(g_optimizer)
+        d_optimizer = keras.optimizers.get(d_optimizer)
+        if g_optimizer is d_optimizer:
+            raise ValueError(
+                "GANModel.compile: g_optimizer and d_optimizer are the same "
+                f"optimizer object ({g_optimizer.name}); each keeps slots for its own "
+                "variables, so give each side a new optimizer instance."
+            )
         super().compile(optimizer=None, **kwargs)
-        self.g_optimizer = keras.optimizers.get(g_optimizer)
-        self.d_optimizer = keras.optimizers.get(d_optimizer)
+        self.g_optimizer = g_optimizer
+        self.d_optimizer = d_optimizer
 
     def build_optimizers(self):
         """Creates both optimizers' slots (GAN trainers call it at set-up)."""
@@ -93,7 +104,7 @@ class GANModel(TowerModel):
 
     def generate(self, num_samples):
         """`num_samples` samples from the generator, as a numpy array."""
-        noise = keras.random.normal((num_samples, self.latent_dim), seed=self.noise_seed)
+        noise = keras.random.normal((num_samples, self.latent_dim), seed=self.sample_seed)
         return keras.ops.convert_to_numpy(self.generator(noise, training=False))
 
     # What a GAN is: override these.
