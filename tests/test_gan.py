@@ -168,6 +168,21 @@ def test_towers_draw_their_own_noise_also_after_generate(two_towers):
     assert len({tuple(s) for s in seen}) == 3
 
 
+def test_each_sides_learning_rate_can_be_scheduled(two_towers):
+    gan = tiny_gan()
+    seen = []
+    schedule = kt.callbacks.ScheduledHyperParamSetter("g_optimizer.learning_rate", [(1, 0.02), (2, 0.005)])
+    probe = keras.callbacks.LambdaCallback(on_epoch_end=lambda epoch, logs: seen.append(
+        (float(gan.g_optimizer.learning_rate.numpy()), float(gan.d_optimizer.learning_rate.numpy()))))
+    real = tf.data.Dataset.from_tensor_slices(np.ones((64, 3), "float32")).repeat().batch(4)
+    kt.GANTrainer(gan, real).train([schedule, probe], steps_per_epoch=2, max_epoch=3, verbose=0)
+    np.testing.assert_allclose(seen, [(0.02, 0.1), (0.005, 0.1), (0.005, 0.1)], rtol=1e-6)
+    typo = kt.callbacks.ScheduledHyperParamSetter("g_optimizer.learning_rat", [(1, 0.1)])
+    typo.set_model(gan)
+    with pytest.raises(ValueError, match="No hyper-parameter named 'learning_rat' on g_optimizer"):
+        typo.variable
+
+
 def test_gan_errors_say_what_to_do():
     gan = tiny_gan()
     with pytest.raises(TypeError, match="kt.GANModel"):

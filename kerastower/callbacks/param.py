@@ -12,8 +12,9 @@ kt.callbacks.StatMonitorParamSetter("learning_rate", "val_loss", lambda lr: lr /
 ```
 
 A param is named by a string: an attribute of the optimizer
-(`"learning_rate"`), or an attribute of the model holding a `keras.Variable`
-(`"dropout_rate"` for `model.dropout_rate = keras.Variable(0.5)`). A
+(`"learning_rate"`), an attribute of the model holding a `keras.Variable`
+(`"dropout_rate"` for `model.dropout_rate = keras.Variable(0.5)`), or a
+dotted path from the model (`"g_optimizer.learning_rate"` for a GAN). A
 `keras.Variable` may also be passed directly. Only variables can change
 after the step is compiled: a plain Python number (e.g. Adam's `beta_1`) is
 baked into the traced step, so naming one raises an error that says so.
@@ -37,16 +38,25 @@ def _find_variable(model, param):
         return param
     if not isinstance(param, str):
         raise TypeError(f"A hyper-parameter is a name or a keras.Variable; got {param!r}.")
-    owners = [("optimizer", getattr(model, "optimizer", None)), ("model", model)]
+    if "." in param:
+        # "g_optimizer.learning_rate": an attribute of something the model holds.
+        path, param = param.rsplit(".", 1)
+        owner = model
+        for name in path.split("."):
+            owner = getattr(owner, name, None)
+        owners = [(path, owner)]
+    else:
+        owners = [("optimizer", getattr(model, "optimizer", None)), ("model", model)]
     inner = getattr(owners[0][1], "inner_optimizer", None)
     if inner is not None:
-        owners.insert(1, ("optimizer.inner_optimizer", inner))
+        owners.insert(1, (f"{owners[0][0]}.inner_optimizer", inner))
     for owner_name, owner in owners:
         if owner is None or not hasattr(owner, param):
             continue
         value = getattr(owner, param)
         # Keras optimizers expose learning_rate as a property over `_learning_rate`.
-        variable = getattr(owner, "_" + param, value) if owner_name.startswith("optimizer") else value
+        is_optimizer = isinstance(owner, keras.optimizers.Optimizer)
+        variable = getattr(owner, "_" + param, value) if is_optimizer else value
         if isinstance(variable, keras.Variable):
             return variable
         if isinstance(variable, keras.optimizers.schedules.LearningRateSchedule):
@@ -62,9 +72,10 @@ def _find_variable(model, param):
             "keras.Variable you store on the model."
         )
     raise ValueError(
-        f"No hyper-parameter named {param!r} on the optimizer or the model. "
-        "Name an optimizer attribute (e.g. 'learning_rate') or a model "
-        "attribute holding a keras.Variable."
+        f"No hyper-parameter named {param!r} on {' or '.join(n for n, _ in owners)}. "
+        "Name an optimizer attribute (e.g. 'learning_rate'), a model "
+        "attribute holding a keras.Variable, or a dotted path from the model "
+        "(e.g. 'g_optimizer.learning_rate' for a GAN)."
     )
 
 
