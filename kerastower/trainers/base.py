@@ -212,7 +212,8 @@ class Trainer:
           first argument's, which must be a batch), right for per-batch mean
           losses; a plain mean when `fn` takes no argument.
         - `reduce="sum"`: the sum (float64 while summing, for exact counts).
-        - `reduce=None`: a list with each tower's value, in tower order.
+        - `reduce=None`: a list with each tower's value, in tower order (the
+          towers of this process: under Horovod, its own only).
 
         Args:
             fn: the tower function.
