@@ -44,3 +44,21 @@ def test_train_digits_example(tmp_path):
         records = json.load(f)
     assert [r["epoch_num"] for r in records] == [1, 2, 3]
     assert records[-1]["val_accuracy"] == pytest.approx(accuracy, abs=1e-4)
+
+
+def test_kmeans_digits_example_resumes(tmp_path):
+    """Runs 1 epoch, then again to 2 epochs on the same checkpoints: the
+    second run trains only epoch 2."""
+    script = os.path.join(ROOT, "examples", "kmeans_digits.py")
+    outputs = []
+    for epochs in (1, 2):
+        result = subprocess.run(
+            [sys.executable, script, "--epochs", str(epochs), "--steps", "10", "--ckpt", str(tmp_path)],
+            capture_output=True, text=True, timeout=600, cwd=ROOT,
+        )
+        assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+        outputs.append(result.stdout)
+    assert re.findall(r"\[epoch (\d+), step (\d+)\] inertia", outputs[0]) == [("1", "10")]
+    assert re.findall(r"\[epoch (\d+), step (\d+)\] inertia", outputs[1]) == [("2", "20")]
+    purity = float(re.search(r"cluster purity: ([0-9.]+)", outputs[1]).group(1))
+    assert purity > 0.6, outputs[1]
