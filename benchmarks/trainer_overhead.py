@@ -40,12 +40,9 @@ def trainer_runner(devs, batch):
         def train_step(self, data):
             model = self.model
             x, y = data
-            weight = model.tower_example_weight(tf.shape(x)[0])
             with tf.GradientTape() as tape:
                 loss = model.tower_loss(x, y, model(x, training=True))
-                weighted = loss * tf.cast(weight, loss.dtype)
-            gradients = tape.gradient(weighted, model.trainable_weights)
-            model.apply_tower_gradients(gradients)
+            model.optimizer.apply(tape.gradient(loss, model.trainable_weights))
             return {"loss": loss}
 
     with kt.distributed("mirrored", devices=devs):

@@ -21,7 +21,6 @@ per-tower iterator; `_make_step_function` below pulls one batch per tower per
 step and runs the tower step (`train_step`, `test_step`, `predict_step`) on it.
 """
 
-import collections
 import contextlib
 import inspect
 import warnings
@@ -29,45 +28,19 @@ import warnings
 import keras
 import numpy as np
 import tensorflow as tf
-from keras.src import backend as keras_backend
-from keras.src.losses import loss as keras_loss
-from keras.src.models.functional import Functional
-from keras.src.models.model import functional_init_arguments
-from keras.src.trainers.data_adapters import array_slicing
-from keras.src.trainers.data_adapters import data_adapter_utils
-from keras.src.utils import io_utils
-from keras.src.utils.python_utils import pythonify_logs
 
+from kerastower import _compat
 from kerastower import strategies
 from kerastower.callbacks import monitors
 from kerastower.callbacks.base import RunHooks
+from kerastower.engine import tf_step
 from kerastower.errors import InputSourceError
-from kerastower.errors import PeerFailureError
 from kerastower.errors import StrategyError
 from kerastower.errors import TowerRuleError
-from kerastower.gradients import adopt_optimizer
-from kerastower.gradients import gradients_already_reduced
 from kerastower.inputs import as_input_source
 from kerastower.loop import LoopState
-from kerastower.tower import TowerContext
-from kerastower.tower import forbid_variable_creation
 
 __all__ = ["TowerModel"]
-
-
-def _num_examples(data):
-    """The batch size of one tower's batch, as an int32 scalar tensor."""
-    x, _, _ = data_adapter_utils.unpack_x_y_sample_weight(data)
-    first = next(t for t in tf.nest.flatten(x) if t is not None)
-    return tf.shape(first)[0]
-
-
-_StepsRun = collections.namedtuple(
-    "_StepsRun", ["steps", "examples", "tower_examples", "tower_batches", "logs"]
-)
-_StepsRun.__doc__ = """What one call of a step function did: steps run, examples
-over all towers, the last step's examples per tower, batches each tower took,
-and the logs (predictions, for predict)."""
 
 
 _KERAS_CHIEF_ONLY = (
@@ -101,33 +74,7 @@ class _StepCache:
 
     def __init__(self):
         self.local_weights = None
-        self.gradient_is_missing = None
-
-
-def _run_unless_empty(test_step, data, num_examples):
-    """Runs `test_step(data)` unless the batch is empty; returns its outputs
-    (None when it did not run). An empty batch would add zero losses with a
-    count of one to Keras's per-output loss trackers."""
-    outputs = []
-
-    def run():
-        outputs.append(test_step(data))
-        return tf.constant(True)
-
-    tf.cond(num_examples > 0, run, lambda: tf.constant(False))
-    return outputs[0] if outputs else None
-
-
-def _warn_unlogged_outputs(outputs, metric_keys, step_name):
-    if isinstance(outputs, dict):
-        extra = sorted(set(outputs) - metric_keys)
-        if extra:
-            warnings.warn(
-                f"kerastower: {step_name} returned {extra}, which are not "
-                "metrics of the model; logs show the model's metrics only. "
-                "Track such values with a keras.metrics.Mean listed in "
-                "the model's `metrics` property."
-            )
+        self.last_gradients = None
 
 
 @keras.saving.register_keras_serializable(package="kerastower")
@@ -158,15 +105,15 @@ class TowerModel(keras.Model):
         # would turn every later subclass functional too. A functional twin of
         # the class, made once, avoids that.
         if (
-            functional_init_arguments(args, kwargs)
+            _compat.functional_init_arguments(args, kwargs)
             and _init_takes_inputs_outputs(cls)
-            and not issubclass(cls, Functional)
+            and not issubclass(cls, _compat.functional_class())
         ):
             return super().__new__(_functional_twin(cls))
         return super().__new__(cls)
 
     def __init__(self, *args, **kwargs):
-        if functional_init_arguments(args, kwargs) and not isinstance(self, Functional):
+        if _compat.functional_init_arguments(args, kwargs) and not isinstance(self, _compat.functional_class()):
             # Keras would make this class, and TowerModel with it, functional
             # for good by rewriting their bases.
             raise TypeError(
@@ -233,25 +180,13 @@ class TowerModel(keras.Model):
     # ------------------------------------------------------------------
     # Tower functions: called once per tower, under a TowerContext.
 
-    def tower_example_weight(self, num_examples):
-        """This tower's share of the step's examples, `n_i / sum_j n_j`.
-
-        Weighting each tower's mean loss by it makes the sum of the towers'
-        gradients the gradient of the mean loss over all the step's examples:
-        the plain mean over towers when they have equal batches.
-        """
-        n = tf.cast(num_examples, "float32")
-        total = self._tower_strategy.all_reduce_sum([n])[0]
-        return tf.math.divide_no_nan(n, total)
-
     def tower_loss(self, x, y, y_pred, sample_weight=None, training=True):
-        """This tower's loss: the compiled loss (plus `model.losses`), a scalar."""
-        loss = self._compute_loss(
-            x=x, y=y, y_pred=y_pred, sample_weight=sample_weight, training=training
+        """This tower's loss: the compiled loss (plus `model.losses`), or
+        what an overridden `compute_loss` returns; a scalar, the tower's own
+        mean (Keras does not divide it by the number of towers in a tower)."""
+        loss = _compat.compute_loss(
+            self, x=x, y=y, y_pred=y_pred, sample_weight=sample_weight, training=training
         )
-        # Keras scales the loss by 1/replicas for its own all-reduce; the
-        # tower reduction here weights towers itself.
-        loss = keras_loss.unscale_loss_for_distribution(loss)
         if loss.shape.rank != 0:
             raise TowerRuleError(
                 f"The loss must be a scalar; got a tensor of shape {loss.shape}. "
@@ -259,33 +194,6 @@ class TowerModel(keras.Model):
                 "with a mean or sum over the batch). See docs/towers.md, rule 4."
             )
         return loss
-
-    def apply_tower_gradients(self, gradients, variables=None, optimizer=None):
-        """Sums `gradients` over towers, then lets the optimizer clip and apply.
-
-        Call it once per tower inside a tower step with the gradients of
-        `loss * self.tower_example_weight(n)`. Clipping and the non-finite
-        check of LossScaleOptimizer then act on the reduced gradient.
-
-        Args:
-            gradients: this tower's gradients, one per variable (or None).
-            variables: the variables they belong to; default: the model's
-                trainable weights.
-            optimizer: default: the compiled `optimizer`; models trained by
-                several (a GAN's) name the one these variables belong to.
-        """
-        variables = self.trainable_weights if variables is None else variables
-        optimizer = self.optimizer if optimizer is None else optimizer
-        pairs = [(g, v) for g, v in zip(gradients, variables) if g is not None]
-        if not pairs:
-            raise ValueError(
-                "No gradients reached any trainable variable: does the loss "
-                f"depend on the model's weights? Variables: {[v.path for v in variables]}"
-            )
-        reduced = self._tower_strategy.all_reduce_sum([g for g, _ in pairs])
-        adopt_optimizer(optimizer)
-        with gradients_already_reduced():
-            optimizer.apply(reduced, [v for _, v in pairs])
 
     def run_on_towers(self, fn, data, is_training=False):
         """Calls `fn(tower_data)` once per tower under its TowerContext.
@@ -300,36 +208,33 @@ class TowerModel(keras.Model):
 
         return self._tower_strategy.run(in_tower, args=(data,))
 
-    @contextlib.contextmanager
-    def tower_scope(self, is_training, step_name, name=None):
+    def tower_scope(self, is_training, step_name, name=None, examples=None):
         """Inside a tower: enters its TowerContext and the tower rules.
 
         Only the main tower records `tf.summary` data, and creating a variable
         raises a TowerRuleError naming `step_name`. In training, the towers'
         replica-local weights (BatchNormalization's statistics) follow the
-        main tower's when the block ends. Yields the TowerContext.
+        main tower's when the block ends. `examples`, this tower's batch
+        size, sets the share `optimizer.apply` weights its gradients by
+        (default: 1/N). Yields the TowerContext.
         """
-        strategy = self._tower_strategy
-        ctx = TowerContext(strategy.tower_index(), strategy.num_towers, is_training, name=name)
-        with ctx, tf.summary.record_if(ctx.is_main_tower), forbid_variable_creation(step_name):
-            yield ctx
-            if is_training:
-                self._follow_main_tower(ctx)
+        return tf_step.tower_scope(self, is_training, step_name, name=name, examples=examples)
 
     def _call_tower(self, x, training):
-        if self._call_has_training_arg:
+        if _compat.call_has_training_arg(self):
             return self(x, training=training)
         return self(x)
 
     def train_step(self, data):
         """One tower's training step on its own batch `data`.
 
-        Returns this tower's metric results; `fit` logs the metrics read
-        across all towers.
+        Computes the gradient of this tower's mean loss, as one device would,
+        and calls `optimizer.apply`, which inside a tower applies the
+        example-weighted mean over towers (reduced before clipping). Returns
+        this tower's metric results; `fit` logs the metrics read across towers.
         """
-        x, y, sample_weight = data_adapter_utils.unpack_x_y_sample_weight(data)
-        num_examples = _num_examples(data)
-        weight = self.tower_example_weight(num_examples)
+        x, y, sample_weight = _compat.unpack_x_y_sample_weight(data)
+        num_examples = tf_step.num_examples(data)
         variables = self.trainable_weights
 
         def forward_backward():
@@ -338,189 +243,54 @@ class TowerModel(keras.Model):
                 loss = self.tower_loss(x, y, y_pred, sample_weight, training=True)
                 # An empty batch has a NaN mean loss; it must count as zero.
                 loss = tf.where(num_examples > 0, loss, tf.zeros_like(loss))
-                scaled_loss = self.optimizer.scale_loss(loss * tf.cast(weight, loss.dtype))
-            self._loss_tracker.update_state(loss, sample_weight=num_examples)
+                scaled_loss = self.optimizer.scale_loss(loss)
+            _compat.loss_tracker(self).update_state(loss, sample_weight=num_examples)
             self.compute_metrics(x, y, y_pred, sample_weight=sample_weight)
             return tape.gradient(scaled_loss, variables)
 
-        gradients = self.gradients_if_tower_has_examples(
-            forward_backward, num_examples, variables
-        )
-        self.apply_tower_gradients(gradients, variables)
+        gradients = tf_step.gradients_unless_empty(self, forward_backward, num_examples, variables)
+        self.optimizer.apply(gradients, variables)
         return self.get_metrics_result()
-
-    def gradients_if_tower_has_examples(self, forward_backward, num_examples, variables):
-        """Runs `forward_backward()` unless this tower's batch is empty.
-
-        At the end of finite data some towers may get no batch. Such a tower
-        must still join the all-reduce, but must not run the model: an empty
-        batch gives NaN means (and TF's oneDNN MaxPool gradient aborts the
-        process on it). It contributes zero gradients instead. A forward pass
-        that all-reduces (synchronized BatchNormalization) cannot be skipped
-        on some towers only: there the model runs on the empty batch, its
-        loss counted as zero.
-        """
-        if self.num_towers == 1 or any(
-            getattr(layer, "synchronized", False) for layer in self._flatten_layers()
-        ):
-            return forward_backward()
-
-        def compute():
-            gradients = forward_backward()
-            # Which variables get no gradient; eagerly, tf.cond runs one branch
-            # only, so an empty tower reuses what the last full step found.
-            self._step_cache.gradient_is_missing = [g is None for g in gradients]
-            return [
-                tf.zeros(v.shape, v.dtype) if g is None else tf.convert_to_tensor(g)
-                for g, v in zip(gradients, variables)
-            ]
-
-        def skip():
-            return [tf.zeros(v.shape, v.dtype) for v in variables]
-
-        gradients = tf.cond(num_examples > 0, compute, skip)
-        missing = self._step_cache.gradient_is_missing or [False] * len(variables)
-        return [None if m else g for g, m in zip(gradients, missing)]
 
     def test_step(self, data):
         """One tower's evaluation step on its own batch `data`."""
-        x, y, sample_weight = data_adapter_utils.unpack_x_y_sample_weight(data)
-        num_examples = _num_examples(data)
+        x, y, sample_weight = _compat.unpack_x_y_sample_weight(data)
+        num_examples = tf_step.num_examples(data)
         y_pred = self._call_tower(x, training=False)
         loss = self.tower_loss(x, y, y_pred, sample_weight, training=False)
         loss = tf.where(num_examples > 0, loss, tf.zeros_like(loss))
-        self._loss_tracker.update_state(loss, sample_weight=num_examples)
+        _compat.loss_tracker(self).update_state(loss, sample_weight=num_examples)
         return self.compute_metrics(x, y, y_pred, sample_weight=sample_weight)
 
     def predict_step(self, data):
         """One tower's predictions for its own batch `data`."""
-        x, _, _ = data_adapter_utils.unpack_x_y_sample_weight(data)
+        x, _, _ = _compat.unpack_x_y_sample_weight(data)
         return self._call_tower(x, training=False)
 
     # ------------------------------------------------------------------
-    # Step functions: one batch per tower per step.
-
-    def _replica_local_weights(self):
-        """Non-trainable weights each tower updates on its own copy (e.g.
-        BatchNormalization's moving statistics), except those of frozen
-        layers and of layers that synchronize across towers themselves."""
-        if self._step_cache.local_weights is None:
-            # Frozen layers do not change in a step; synchronized ones agree.
-            skip = {
-                id(weight)
-                for layer in self._flatten_layers()
-                if not layer.trainable or getattr(layer, "synchronized", False)
-                for weight in layer.weights
-            }
-            self._step_cache.local_weights = [
-                weight
-                for weight in self.non_trainable_weights
-                if weight.aggregation == "none" and id(weight) not in skip
-            ]
-        return self._step_cache.local_weights
+    # Step functions: one batch per tower per step (kerastower/engine).
 
     def _seed_towers_apart(self):
-        """Gives every tower its own random stream: tower i's seed generators
-        start from tower 0's state with the seed moved by i. Otherwise each
-        tower's copy holds the same state and Dropout draws the same masks on
-        every tower. Tower 0 (what is saved) keeps its stream."""
-        if self.num_towers == 1:
-            return
-        for layer in self._flatten_layers():
-            for generator in getattr(layer, "_seed_generators", []):
-                self._tower_strategy.assign_per_tower(
-                    generator.state.value,
-                    lambda index, main: main + tf.constant([index * 1_000_003, 0], main.dtype),
-                )
+        tf_step.seed_towers_apart(self)
 
     def _after_restore(self):
         """After variables were restored (one value for all towers): spread
         the towers' random streams apart again."""
-        self._seed_towers_apart()
-
-    def _follow_main_tower(self, ctx):
-        """Copies the main tower's replica-local weights to every tower."""
-        weights = self._replica_local_weights()
-        if ctx.total == 1 or not weights:
-            return
-        shares = [w.value if ctx.is_main_tower else tf.zeros_like(w.value) for w in weights]
-        for weight, value in zip(weights, self._tower_strategy.all_reduce_sum(shares)):
-            weight.assign(value)
-
-    def _make_step_function(self, tower_step, mode):
-        """A function `f(iterator, num_steps)` running up to `num_steps` steps.
-
-        It returns (steps run, examples seen, last step's examples per tower,
-        logs). Training and evaluation stop early, without error, when the
-        input runs out; their logs are the model's metrics, read across
-        towers. Prediction runs one step and returns the outputs.
-        """
-        strategy = self._tower_strategy
-        is_training = mode == "train"
-        step_name = f"{type(self).__name__}.{tower_step.__name__}"
-        metric_keys = set(self.get_metrics_result()) if mode != "predict" else set()
-
-        def tower_fn(data):
-            index = strategy.tower_index()
-            name = f"predict_tower{index}" if mode == "predict" else None
-            num_examples = _num_examples(data)
-            with self.tower_scope(is_training, step_name, name=name) as ctx:
-                if mode == "test" and ctx.total > 1:
-                    outputs = _run_unless_empty(tower_step, data, num_examples)
-                else:
-                    outputs = tower_step(data)
-            if mode != "predict":
-                _warn_unlogged_outputs(outputs, metric_keys, step_name)
-            return outputs, num_examples
-
-        def run_towers(data):
-            outputs, num_examples = strategy.run(tower_fn, args=(data,))
-            return outputs, strategy.gather_tower_scalars(num_examples)
-
-        def predict_function(data):
-            outputs, _ = run_towers(data)
-            return tf.nest.map_structure(strategy.concat_tower_outputs, outputs)
-
-        def function(iterator, num_steps):
-            steps = tf.constant(0)
-            examples = tf.constant(0)
-            tower_examples = tf.zeros([strategy.num_towers], tf.int32)
-            tower_batches = tf.zeros([strategy.num_towers], tf.int32)
-            # An optional tells "no data left for any tower" (stop) from a
-            # last step where only some towers got a batch (run it).
-            for _ in tf.range(num_steps):
-                has_data, next_batches = strategy.next_step(iterator)
-                if not has_data:
-                    break
-                _, tower_examples = run_towers(next_batches())
-                examples += tf.reduce_sum(tower_examples)
-                tower_batches += tf.cast(tower_examples > 0, tf.int32)
-                steps += 1
-            # Metrics read across towers sum every tower's totals and counts:
-            # the logs are example-weighted over towers.
-            logs = strategy.metrics_result(self)
-            return steps, examples, tower_examples, tower_batches, logs
-
-        step_function = predict_function if mode == "predict" else function
-        if not self.run_eagerly:
-            step_function = tf.function(step_function, reduce_retracing=True)
-        return step_function
+        tf_step.seed_towers_apart(self)
 
     def make_train_function(self, force=False):
         if self.train_function is None or force:
-            for optimizer in strategies.training_optimizers(self):
-                adopt_optimizer(optimizer)
-            self.train_function = self._make_step_function(self.train_step, "train")
+            self.train_function = tf_step.make_step_function(self, self.train_step, "train")
         return self.train_function
 
     def make_test_function(self, force=False):
         if self.test_function is None or force:
-            self.test_function = self._make_step_function(self.test_step, "test")
+            self.test_function = tf_step.make_step_function(self, self.test_step, "test")
         return self.test_function
 
     def make_predict_function(self, force=False):
         if self.predict_function is None or force:
-            self.predict_function = self._make_step_function(self.predict_step, "predict")
+            self.predict_function = tf_step.make_step_function(self, self.predict_step, "predict")
         return self.predict_function
 
     # ------------------------------------------------------------------
@@ -542,34 +312,17 @@ class TowerModel(keras.Model):
         spec = source.element_spec(self.num_towers)
         with self._tower_strategy.scope():
             if with_targets:
-                self._symbolic_build(data_batch=spec)
-            elif not all(layer.built for layer in self._flatten_layers()):
-                x, _, _ = data_adapter_utils.unpack_x_y_sample_weight(spec)
+                _compat.symbolic_build(self, spec)
+            elif not all(layer.built for layer in _compat.flatten_layers(self)):
+                x, _, _ = _compat.unpack_x_y_sample_weight(spec)
                 x = tf.nest.map_structure(
                     lambda s: keras.KerasTensor(s.shape, s.dtype.name), x
                 )
-                keras_backend.compute_output_spec(self._call_tower, x, training=False)
+                _compat.compute_output_spec(self._call_tower, x, training=False)
         self._step_cache.local_weights = None
 
     def _run_steps(self, function, iterator, num_steps):
-        """Runs up to `num_steps` steps of a step function."""
-        try:
-            steps, examples, tower_examples, tower_batches, outputs = function(
-                iterator, tf.constant(num_steps)
-            )
-        except tf.errors.OutOfRangeError:
-            return _StepsRun(0, 0, None, 0, None)
-        except tf.errors.UnavailableError as error:
-            raise PeerFailureError(
-                "Another worker of this training stopped responding (it died or "
-                "lost its network), so the collective step was aborted. Restart "
-                "all workers; with kt.callbacks.AutoResume they go on from the "
-                f"last checkpoint. TensorFlow said: {error.message.splitlines()[0]}"
-            ) from error
-        return _StepsRun(
-            int(steps), int(examples), tower_examples,
-            np.asarray(tower_batches, np.int64), outputs,
-        )
+        return tf_step.run_steps(function, iterator, num_steps)
 
     def _announce_total_batch(self, tower_examples, verbose):
         if self._announced_batch or verbose == 0 or not self._tower_strategy.is_chief:
@@ -580,7 +333,7 @@ class TowerModel(keras.Model):
             per_tower = f"{len(counts)} tower(s) x {counts[0]} examples"
         else:
             per_tower = f"towers took {', '.join(map(str, counts))} examples"
-        io_utils.print_msg(
+        _compat.print_msg(
             f"kerastower: {per_tower} = total batch {sum(counts)} per step"
         )
 
@@ -612,10 +365,10 @@ class TowerModel(keras.Model):
         `logdir` adds TensorBoard, JSONWriter (stats.json) and
         ThroughputTracker there, unless `callbacks` has them already.
         """
-        self._assert_compile_called("fit")
+        _compat.assert_compile_called(self, "fit")
         self._check_strategy("fit")
         if validation_split and validation_data is None:
-            (x, y, sample_weight), validation_data = array_slicing.train_validation_split(
+            (x, y, sample_weight), validation_data = _compat.train_validation_split(
                 (x, y, sample_weight), validation_split=validation_split
             )
         if class_weight is not None:
@@ -629,7 +382,7 @@ class TowerModel(keras.Model):
                     "class_weight works with numpy arrays; for a dataset, add "
                     "per-example weights as its third element instead."
                 )
-            sample_weight = data_adapter_utils.class_weight_to_sample_weights(y, class_weight)
+            sample_weight = _compat.class_weight_to_sample_weights(y, class_weight)
         source = as_input_source(
             x, y, sample_weight, batch_size, shuffle, repeat=bool(steps_per_epoch)
         )
@@ -655,7 +408,7 @@ class TowerModel(keras.Model):
         self.loop.tower_batches = [0] * self.num_towers
         callbacks.on_train_begin()
         # BackupAndRestore and AutoResume set where to resume in on_train_begin.
-        initial_epoch = self._initial_epoch or initial_epoch
+        initial_epoch = _compat.initial_epoch(self) or initial_epoch
         first_step, skip_batches = self._resume_position(steps_per_epoch)
         if self._resume_state is not None:
             initial_epoch = self._resume_state["epoch_num"] - (1 if first_step else 0)
@@ -774,7 +527,7 @@ class TowerModel(keras.Model):
         if isinstance(validation_data, (tuple, list)) and not isinstance(
             validation_data[0], (tf.data.Dataset,)
         ):
-            val_x, val_y, val_w = data_adapter_utils.unpack_x_y_sample_weight(
+            val_x, val_y, val_w = _compat.unpack_x_y_sample_weight(
                 tuple(validation_data)
             )
             return as_input_source(val_x, val_y, val_w, batch_size)
@@ -796,7 +549,7 @@ class TowerModel(keras.Model):
         from_fit = kwargs.pop("_from_fit", False)
         if kwargs:
             raise ValueError(f"Arguments not recognized: {kwargs}")
-        self._assert_compile_called("evaluate")
+        _compat.assert_compile_called(self, "evaluate")
         self._check_strategy("evaluate")
         source = as_input_source(x, y, sample_weight, batch_size)
         if not from_fit:
@@ -827,11 +580,11 @@ class TowerModel(keras.Model):
                 callbacks.on_test_batch_end(step - 1, logs)
             if ran < want or self.stop_evaluating:
                 break
-        logs = pythonify_logs(logs)
+        logs = _compat.pythonify_logs(logs)
         callbacks.on_test_end(logs)
         if return_dict:
             return logs
-        return self._flatten_metrics_in_order(logs)
+        return _compat.flatten_metrics_in_order(self, logs)
 
     def predict(self, x, batch_size=None, verbose="auto", steps=None, callbacks=None):
         """Predicts data-parallel; outputs come back in input order.
@@ -892,7 +645,7 @@ class TowerModel(keras.Model):
 
 
 @keras.saving.register_keras_serializable(package="kerastower")
-class FunctionalTowerModel(TowerModel, Functional):
+class FunctionalTowerModel(TowerModel, _compat.functional_class()):
     """What `kt.TowerModel(inputs, outputs)` makes: a functional TowerModel."""
 
 
@@ -915,7 +668,7 @@ def _init_takes_inputs_outputs(cls):
 def _functional_twin(cls):
     """`cls` with Functional mixed in, for `cls(inputs, outputs)`."""
     if cls not in _FUNCTIONAL_TWINS:
-        _FUNCTIONAL_TWINS[cls] = type(cls.__name__, (cls, Functional), {"__module__": cls.__module__})
+        _FUNCTIONAL_TWINS[cls] = type(cls.__name__, (cls, _compat.functional_class()), {"__module__": cls.__module__})
     return _FUNCTIONAL_TWINS[cls]
 
 

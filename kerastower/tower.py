@@ -46,6 +46,13 @@ class TowerContext:
         is_training: True in `fit`, False in `evaluate` and `predict`.
         name: "tower{index}" in training, "eval_tower{index}" or
             "predict_tower{index}" otherwise.
+        num_examples: in a training step, this tower's batch size (a scalar
+            tensor); None elsewhere.
+        example_weight: in a training step, this tower's share of the step's
+            examples, `n_i / sum_j n_j` (a float32 tensor): what
+            `optimizer.apply` weights this tower's gradients by.
+        strategy: the `kt.TowerStrategy` running the tower (None when the
+            context was made by hand).
 
     Example:
 
@@ -72,6 +79,9 @@ class TowerContext:
         if name is None:
             name = f"tower{index}" if self.is_training else f"eval_tower{index}"
         self.name = name
+        self.num_examples = None
+        self.example_weight = None
+        self.strategy = None
 
     @property
     def is_main_training_tower(self):

@@ -13,8 +13,15 @@ PAGES = ["README.md"] + sorted(
 
 
 def python_blocks(page):
+    """Each block padded with blank lines to its place in the page, so that
+    tracebacks, and AutoGraph reading a function's source, see the page's
+    own lines."""
     with open(os.path.join(ROOT, page)) as f:
-        return re.findall(r"```python\n(.*?)```", f.read(), flags=re.S)
+        text = f.read()
+    return [
+        "\n" * text.count("\n", 0, match.start(1)) + match.group(1)
+        for match in re.finditer(r"```python\n(.*?)```", text, flags=re.S)
+    ]
 
 
 @pytest.mark.parametrize("page", PAGES)
@@ -22,4 +29,4 @@ def test_examples_on_the_page_run(page):
     blocks = python_blocks(page)
     namespace = {"__name__": f"docs_{os.path.basename(page)}"}
     for block in blocks:
-        exec(compile(block, page, "exec"), namespace)
+        exec(compile(block, os.path.join(ROOT, page), "exec"), namespace)

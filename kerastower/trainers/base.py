@@ -51,7 +51,7 @@ from kerastower.inputs import InputSource
 from kerastower.inputs import as_input_source
 from kerastower.loop import LoopState
 from kerastower.model import TowerModel
-from kerastower.model import _num_examples
+from kerastower.engine.tf_step import num_examples
 from kerastower.strategies import training_optimizers
 
 __all__ = ["Trainer", "StopTraining"]
@@ -192,7 +192,7 @@ class Trainer:
         its own towers' batches; with one tower per process (Horovod,
         multi-worker), the others are counted as the same size: an endless
         input gives every tower a whole batch."""
-        local = [int(_num_examples(batch)) for batch in self.strategy.tower_values(batches)]
+        local = [int(num_examples(batch)) for batch in self.strategy.tower_values(batches)]
         return sum(local) * self.num_towers // max(len(local), 1)
 
     @staticmethod
@@ -437,7 +437,8 @@ class _TowerFunction:
         name = getattr(self, "__qualname__", self.__name__)
 
         def in_tower(*args):
-            with model.tower_scope(self.training, name):
+            examples = _batch_size(args[0]) if args else None
+            with model.tower_scope(self.training, name, examples=examples):
                 outputs = self.fn(*args)
             if not isinstance(outputs, dict):
                 raise KerasTowerError(
@@ -446,7 +447,14 @@ class _TowerFunction:
                 )
             if reduce != "mean":
                 return outputs, tf.constant(1.0, tf.float64)
-            weight = tf.cast(_batch_size(args[0], name) if args else 1, tf.float64)
+            if args and examples is None:
+                raise KerasTowerError(
+                    f"tower_function {name!r} with reduce=\"mean\" weights each tower's "
+                    "values by the batch size of its first argument, which is not a batch "
+                    f"(got {args[0]!r}). Pass the tower's batch first, or use "
+                    "reduce=\"sum\" or None."
+                )
+            weight = tf.cast(1 if examples is None else examples, tf.float64)
             return {k: tf.cast(v, tf.float64) * weight for k, v in outputs.items()}, weight
 
         def run(*args):
@@ -464,17 +472,13 @@ class _TowerFunction:
         return tf.function(run, reduce_retracing=True)
 
 
-def _batch_size(batch, name):
-    """The number of examples in a tower's batch, which weights its mean."""
+def _batch_size(batch):
+    """The number of examples in a tower's batch, or None when it is not one."""
     first = next((t for t in tf.nest.flatten(batch) if t is not None), None)
     try:
         tensor = tf.convert_to_tensor(first)
     except (TypeError, ValueError):
-        tensor = None
-    if tensor is None or tensor.shape.rank == 0:
-        raise KerasTowerError(
-            f"tower_function {name!r} with reduce=\"mean\" weights each tower's "
-            "values by the batch size of its first argument, which is not a batch "
-            f"(got {first!r}). Pass the tower's batch first, or use reduce=\"sum\" or None."
-        )
+        return None
+    if tensor.shape.rank == 0:
+        return None
     return tf.shape(tensor)[0]

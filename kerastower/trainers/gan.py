@@ -22,10 +22,10 @@ print(history.history["d_loss"], history.history["g_loss"])
 
 import keras
 import tensorflow as tf
-from keras.src.trainers.data_adapters import data_adapter_utils
 
+from kerastower import _compat
+from kerastower.engine.tf_step import num_examples
 from kerastower.model import TowerModel
-from kerastower.model import _num_examples
 from kerastower.trainers.base import Trainer
 
 __all__ = ["GANModel", "GANTrainer", "SeparateGANTrainer"]
@@ -111,12 +111,12 @@ class GANModel(TowerModel):
 
     def real_samples(self, data):
         """The real samples in a tower's batch: its x."""
-        x, _, _ = data_adapter_utils.unpack_x_y_sample_weight(data)
+        x, _, _ = _compat.unpack_x_y_sample_weight(data)
         return x
 
     def sample_noise(self, data):
         """Noise for the generator, one row per real sample of `data`."""
-        n = _num_examples(data)
+        n = num_examples(data)
         return keras.random.normal((n, self.latent_dim), seed=self.noise_seed)
 
     def generator_loss(self, fake_logits):
@@ -133,28 +133,25 @@ class GANModel(TowerModel):
 
     def generator_tower_step(self, data):
         """One data-parallel generator update; returns {"g_loss": ...}."""
-        weight = self.tower_example_weight(_num_examples(data))
         variables = self.generator.trainable_variables
         with tf.GradientTape() as tape:
             fake = self.generator(self.sample_noise(data), training=True)
             loss = self.generator_loss(self.discriminator(fake, training=True))
-            scaled = self.g_optimizer.scale_loss(loss * tf.cast(weight, loss.dtype))
-        gradients = tape.gradient(scaled, variables)
-        self.apply_tower_gradients(gradients, variables, self.g_optimizer)
+            scaled = self.g_optimizer.scale_loss(loss)
+        # Inside a tower, apply() takes the example-weighted mean over towers.
+        self.g_optimizer.apply(tape.gradient(scaled, variables), variables)
         return {"g_loss": loss}
 
     def discriminator_tower_step(self, data):
         """One data-parallel discriminator update; returns {"d_loss": ...}."""
-        weight = self.tower_example_weight(_num_examples(data))
         variables = self.discriminator.trainable_variables
         fake = self.generator(self.sample_noise(data), training=True)
         with tf.GradientTape() as tape:
             real_logits = self.discriminator(self.real_samples(data), training=True)
             fake_logits = self.discriminator(fake, training=True)
             loss = self.discriminator_loss(real_logits, fake_logits)
-            scaled = self.d_optimizer.scale_loss(loss * tf.cast(weight, loss.dtype))
-        gradients = tape.gradient(scaled, variables)
-        self.apply_tower_gradients(gradients, variables, self.d_optimizer)
+            scaled = self.d_optimizer.scale_loss(loss)
+        self.d_optimizer.apply(tape.gradient(scaled, variables), variables)
         return {"d_loss": loss}
 
 

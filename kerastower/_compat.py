@@ -1,0 +1,261 @@
+"""Every private Keras / TensorFlow API kerastower uses, in one place.
+
+Each one is looked up when first needed; a missing one raises a
+`KerasTowerError` naming it and the installed versions, never a silent
+fallback. Nothing outside this module imports `keras.src` or reaches for a
+private attribute of a Keras or TensorFlow object.
+
+Tested with the versions in `TESTED`; pyproject.toml pins the same range.
+"""
+
+import functools
+import importlib
+import threading
+
+import keras
+import tensorflow as tf
+
+from kerastower.errors import KerasTowerError
+
+__all__ = ["TESTED", "require", "install_tower_patches"]
+
+TESTED = "Keras 3.9 to 3.15 with TensorFlow 2.16 to 2.21"
+
+
+def _versions():
+    return f"Keras {keras.__version__}, TensorFlow {tf.__version__}"
+
+
+def _missing(what, error=None):
+    detail = f" ({type(error).__name__}: {error})" if error is not None else ""
+    return KerasTowerError(
+        f"kerastower needs {what}, which this installation does not have{detail}. "
+        f"Installed: {_versions()}; kerastower is tested with {TESTED}. Install a "
+        "tested pair, e.g. pip install 'tensorflow==2.21.*' 'keras==3.15.*'."
+    )
+
+
+@functools.cache
+def require(module_name, attribute):
+    """`module_name.attribute`, or a KerasTowerError naming it and the versions."""
+    try:
+        return getattr(importlib.import_module(module_name), attribute)
+    except (ImportError, AttributeError) as error:
+        raise _missing(f"{module_name}.{attribute}", error) from None
+
+
+def _method(obj, name):
+    method = getattr(obj, name, None)
+    if method is None:
+        raise _missing(f"{type(obj).__name__}.{name}")
+    return method
+
+
+# -- keras.src functions ------------------------------------------------------
+
+def unpack_x_y_sample_weight(data):
+    fn = require("keras.src.trainers.data_adapters.data_adapter_utils", "unpack_x_y_sample_weight")
+    return fn(data)
+
+
+def class_weight_to_sample_weights(y, class_weight):
+    fn = require("keras.src.trainers.data_adapters.data_adapter_utils",
+                 "class_weight_to_sample_weights")
+    return fn(y, class_weight)
+
+
+def train_validation_split(arrays, validation_split):
+    fn = require("keras.src.trainers.data_adapters.array_slicing", "train_validation_split")
+    return fn(arrays, validation_split=validation_split)
+
+
+def print_msg(message):
+    require("keras.src.utils.io_utils", "print_msg")(message)
+
+
+def pythonify_logs(logs):
+    return require("keras.src.utils.python_utils", "pythonify_logs")(logs)
+
+
+def functional_init_arguments(args, kwargs):
+    return require("keras.src.models.model", "functional_init_arguments")(args, kwargs)
+
+
+def functional_class():
+    return require("keras.src.models.functional", "Functional")
+
+
+def compute_output_spec(fn, *args, **kwargs):
+    backend = require("keras.src", "backend")
+    return _method(backend, "compute_output_spec")(fn, *args, **kwargs)
+
+
+# -- private members of keras.Model and layers ---------------------------------
+
+def compute_loss(model, **kwargs):
+    """The model's loss as Keras's own train_step computes it (which calls a
+    user's `compute_loss` override with or without `training`)."""
+    return _method(model, "_compute_loss")(**kwargs)
+
+
+def call_has_training_arg(model):
+    if not hasattr(model, "_call_has_training_arg"):
+        raise _missing("keras.Model._call_has_training_arg")
+    return model._call_has_training_arg
+
+
+def loss_tracker(model):
+    tracker = getattr(model, "_loss_tracker", False)
+    if tracker is False:
+        raise _missing("keras.Model._loss_tracker")
+    return tracker
+
+
+def flatten_layers(model):
+    return list(_method(model, "_flatten_layers")())
+
+
+def symbolic_build(model, data_batch):
+    _method(model, "_symbolic_build")(data_batch=data_batch)
+
+
+def assert_compile_called(model, method_name):
+    _method(model, "_assert_compile_called")(method_name)
+
+
+def flatten_metrics_in_order(model, logs):
+    return _method(model, "_flatten_metrics_in_order")(logs)
+
+
+def initial_epoch(model):
+    """The epoch Keras's BackupAndRestore set to resume from, or None."""
+    return getattr(model, "_initial_epoch", None)
+
+
+def seed_generators(layer):
+    """The layer's `keras.random.SeedGenerator`s (Dropout's, ...)."""
+    return list(getattr(layer, "_seed_generators", None) or [])
+
+
+def optimizer_variables(optimizer):
+    """The variables a built optimizer updates, in the order it was built on."""
+    if not hasattr(optimizer, "_trainable_variables"):
+        raise _missing(f"{type(optimizer).__name__}._trainable_variables")
+    return list(optimizer._trainable_variables)
+
+
+# -- tf.distribute internals -----------------------------------------------------
+
+class input_devices_kept:
+    """Puts MirroredStrategy's input devices back after a PER_REPLICA input
+    call: TF 2.21 keeps that call's devices for good, after which a shared
+    pipeline feeds every tower the same batch."""
+
+    def __init__(self, tf_strategy):
+        self.extended = tf_strategy.extended
+
+    def __enter__(self):
+        self.saved = getattr(self.extended, "_input_workers_devices", None)
+        return self
+
+    def __exit__(self, *exc_info):
+        if self.saved is not None:
+            self.extended._input_workers_devices = self.saved
+        return False
+
+
+# -- patches: tower semantics for Keras's losses and optimizers -------------------
+#
+# Inside a kerastower tower, (1) Keras's losses are NOT divided by the number
+# of replicas (each tower's loss is its own mean, as on one device), and (2)
+# `optimizer.apply(gradients)` applies the example-weighted mean of the
+# towers' gradients, reduced BEFORE the optimizer clips. Outside a tower,
+# Keras behaves exactly as it does without kerastower.
+
+_state = threading.local()
+_reduced_lock = threading.Lock()
+_reduced_depth = 0  # global: tf.distribute runs merge calls in other threads
+_installed = []
+
+
+def _in_tower():
+    from kerastower.tower import get_current_tower_context
+
+    return get_current_tower_context() is not None
+
+
+def is_reducing():
+    """True in the thread applying gradients kerastower already reduced."""
+    return getattr(_state, "reducing", False)
+
+
+class gradients_already_reduced:
+    """Within it, the optimizer's own all-reduce is switched off."""
+
+    def __enter__(self):
+        global _reduced_depth
+        _state.reducing = True
+        with _reduced_lock:
+            _reduced_depth += 1
+        return self
+
+    def __exit__(self, *exc_info):
+        global _reduced_depth
+        _state.reducing = False
+        with _reduced_lock:
+            _reduced_depth -= 1
+        return False
+
+
+def _patch(owner, name, make_replacement):
+    original = getattr(owner, name, None)
+    if original is None:
+        raise _missing(f"{getattr(owner, '__qualname__', owner.__name__)}.{name}")
+    if getattr(original, "_kerastower_original", None) is not None:
+        return
+    replacement = functools.update_wrapper(make_replacement(original), original)
+    replacement._kerastower_original = original
+    setattr(owner, name, replacement)
+
+
+def install_tower_patches(apply_in_tower):
+    """Installs the patches once. `apply_in_tower(optimizer, apply, grads,
+    variables)` is called for `optimizer.apply` inside a training tower;
+    `apply` is Keras's own, to be called on the reduced gradients."""
+    if _installed:
+        return
+    loss_module = require("keras.src.losses", "loss")
+
+    def per_tower_scaling(original):
+        def scale(value):
+            return value if _in_tower() else original(value)
+        return scale
+
+    for name in ("scale_loss_for_distribution", "unscale_loss_for_distribution"):
+        _patch(loss_module, name, per_tower_scaling)
+
+    def reduce_then_apply(original):
+        def apply(self, grads, trainable_variables=None):
+            from kerastower.tower import get_current_tower_context
+
+            ctx = get_current_tower_context()
+            if ctx is None or not ctx.is_training or is_reducing():
+                return original(self, grads, trainable_variables)
+            return apply_in_tower(self, original, grads, trainable_variables)
+        return apply
+
+    base = require("keras.src.optimizers.base_optimizer", "BaseOptimizer")
+    loss_scale = require("keras.src.optimizers.loss_scale_optimizer", "LossScaleOptimizer")
+    for owner in (base, loss_scale):
+        _patch(owner, "apply", reduce_then_apply)
+
+    def skip_if_reduced(original):
+        def all_reduce(self, grads_and_vars):
+            if _reduced_depth > 0:
+                return list(grads_and_vars)
+            return original(self, grads_and_vars)
+        return all_reduce
+
+    tf_optimizer = require("keras.src.backend.tensorflow.optimizer", "TFOptimizer")
+    _patch(tf_optimizer, "_all_reduce_sum_gradients", skip_if_reduced)
+    _installed.append(True)

@@ -1,0 +1,1 @@
+"""Step engines: the compiled tower step, one module per backend."""

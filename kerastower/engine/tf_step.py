@@ -1,0 +1,353 @@
+"""The compiled tower step on TensorFlow: where gradients are reduced.
+
+One step of N towers:
+
+1. each tower takes its own batch (`strategy.next_step`) and runs the tower
+   step (`train_step`, `test_step`, `predict_step`) under its TowerContext,
+   which carries the tower's example count and its share `n_i / sum_j n_j`;
+2. the tower computes the gradient of ITS OWN mean loss, as on one device
+   (Keras's losses are not divided by N inside a tower);
+3. `optimizer.apply(gradients)` inside a tower (any optimizer, also in a
+   custom `train_step`) weights them by the tower's share, sums them over
+   towers (sparse gradients stay sparse), and only then lets the optimizer
+   clip, check for non-finite values and apply: the update is that of one
+   device on the joined batch;
+4. the towers' replica-local weights (BatchNormalization statistics) follow
+   the main tower, and the logs are the metrics read across towers.
+"""
+
+import collections
+import contextlib
+import threading
+
+import warnings
+
+import numpy as np
+import tensorflow as tf
+
+from kerastower import _compat
+from kerastower.errors import PeerFailureError
+from kerastower.errors import TowerRuleError
+from kerastower.tower import TowerContext
+from kerastower.tower import forbid_variable_creation
+from kerastower.tower import get_current_tower_context
+
+__all__ = [
+    "StepsRun",
+    "num_examples",
+    "tower_scope",
+    "gradients_unless_empty",
+    "make_step_function",
+    "run_steps",
+]
+
+
+def num_examples(data):
+    """The batch size of one tower's batch, as an int32 scalar tensor."""
+    x, _, _ = _compat.unpack_x_y_sample_weight(data)
+    first = next(t for t in tf.nest.flatten(x) if t is not None)
+    return tf.shape(first)[0]
+
+
+StepsRun = collections.namedtuple(
+    "StepsRun", ["steps", "examples", "tower_examples", "tower_batches", "logs"]
+)
+StepsRun.__doc__ = """What one call of a step function did: steps run, examples
+over all towers, the last step's examples per tower, batches each tower took,
+and the logs (predictions, for predict)."""
+
+
+# -- gradients: weight, reduce, then apply -------------------------------------
+
+# Which variables got a gradient on each tower of the step being traced:
+# a variable without one on every tower is left out of the update, as one
+# device leaves it out. Towers are traced in threads, so it is shared.
+_presence_lock = threading.Lock()
+_presence = {}
+
+
+def _weighted(gradient, variable, weight):
+    if gradient is None:
+        return tf.zeros(variable.shape, variable.dtype)
+    # multiply_no_nan: a tower without examples (weight 0) adds exact zeros,
+    # even where its empty batch made the loss NaN.
+    if isinstance(gradient, tf.IndexedSlices):
+        values = tf.math.multiply_no_nan(gradient.values, tf.cast(weight, gradient.values.dtype))
+        return tf.IndexedSlices(values, gradient.indices, gradient.dense_shape)
+    return tf.math.multiply_no_nan(gradient, tf.cast(weight, gradient.dtype))
+
+
+def reduce_tower_gradients(strategy, ctx, gradients, variables, key):
+    """The example-weighted sum over towers of each variable's gradient;
+    None for a variable no tower has a gradient for."""
+    with _presence_lock:
+        _presence.setdefault(key, {})[ctx.index] = [g is not None for g in gradients]
+    weighted = [_weighted(g, v, ctx.example_weight) for g, v in zip(gradients, variables)]
+    reduced = strategy.all_reduce_sum(weighted)
+    # Every tower of this process has recorded its gradients by now: the
+    # all-reduce above waited for all of them.
+    with _presence_lock:
+        seen = list(_presence[key].values())
+    return [r if any(p[i] for p in seen) else None for i, r in enumerate(reduced)]
+
+
+def apply_in_tower(optimizer, keras_apply, gradients, variables=None):
+    """`optimizer.apply` inside a training tower: reduce, then Keras's apply.
+
+    Installed into Keras's optimizers by `_compat.install_tower_patches`.
+    """
+    ctx = get_current_tower_context()
+    if not optimizer.built:
+        raise TowerRuleError(
+            f"The optimizer {optimizer.name!r} was first used inside a tower step, "
+            "where it would create its slot variables once per tower. Build it "
+            "before training, on the variables it updates: e.g. after compile(), "
+            f"`model.{optimizer.name}.build(model.<part>.trainable_variables)`, or in "
+            "your model's compile() override. (The compiled `optimizer` is built "
+            "by kerastower on the model's trainable variables.)"
+        )
+    variables = list(_compat.optimizer_variables(optimizer) if variables is None else variables)
+    gradients = list(gradients)
+    if len(gradients) != len(variables):
+        raise ValueError(
+            f"optimizer.apply got {len(gradients)} gradients for {len(variables)} variables."
+        )
+    key = (id(optimizer), tuple(id(v) for v in variables))
+    reduced = reduce_tower_gradients(ctx.strategy, ctx, gradients, variables, key)
+    pairs = [(g, v) for g, v in zip(reduced, variables) if g is not None]
+    if not pairs:
+        raise ValueError(
+            "No gradient reached any variable the optimizer updates: does the loss "
+            f"depend on them? Variables: {[v.path for v in variables]}"
+        )
+    with _compat.gradients_already_reduced():
+        return keras_apply(optimizer, [g for g, _ in pairs], [v for _, v in pairs])
+
+
+_compat.install_tower_patches(apply_in_tower)
+
+
+def gradients_unless_empty(model, forward_backward, examples, variables):
+    """Runs `forward_backward()` unless this tower's batch is empty.
+
+    At the end of finite data some towers may get no batch. Such a tower must
+    still join the all-reduce, but must not run the model: TF's oneDNN
+    MaxPool gradient aborts the process on an empty batch. It contributes
+    zero gradients instead (sparse ones stay sparse). A forward pass that
+    all-reduces (synchronized BatchNormalization) cannot be skipped on some
+    towers only: there the model runs on the empty batch, weighted zero.
+    """
+    if model.num_towers == 1 or any(
+        getattr(layer, "synchronized", False) for layer in _compat.flatten_layers(model)
+    ):
+        return forward_backward()
+    cache = model._step_cache
+    if tf.executing_eagerly():  # tf.cond would run one branch only
+        if int(examples) > 0:
+            cache.last_gradients = forward_backward()
+            return cache.last_gradients
+        last = cache.last_gradients or [None] * len(variables)
+        return [None if g is None else _dense_or_sparse_zeros(g, v) for g, v in zip(last, variables)]
+    traced = {}
+
+    def compute():
+        gradients = forward_backward()
+        traced["gradients"] = gradients
+        return [_dense_or_sparse_zeros(None, v) if g is None else g
+                for g, v in zip(gradients, variables)]
+
+    def skip():
+        return [_dense_or_sparse_zeros(g, v) for g, v in zip(traced["gradients"], variables)]
+
+    gradients = tf.cond(examples > 0, compute, skip)
+    return [None if g is None else r for g, r in zip(traced["gradients"], gradients)]
+
+
+def _dense_or_sparse_zeros(like, variable):
+    if isinstance(like, tf.IndexedSlices):
+        values = like.values
+        return tf.IndexedSlices(
+            tf.zeros([0] + list(variable.shape)[1:], values.dtype),
+            tf.zeros([0], like.indices.dtype),
+            tf.constant(list(variable.shape), like.dense_shape.dtype),
+        )
+    return tf.zeros(variable.shape, variable.dtype)
+
+
+# -- the tower scope -------------------------------------------------------------
+
+@contextlib.contextmanager
+def tower_scope(model, is_training, step_name, name=None, examples=None):
+    """Inside a tower: its TowerContext, the tower rules, and (in training)
+    the towers' replica-local weights following the main tower's after it.
+
+    `examples` (this tower's batch size) gives the context its share of the
+    step's examples; without it each tower's share is 1/N.
+    """
+    strategy = model.tower_strategy
+    ctx = TowerContext(strategy.tower_index(), strategy.num_towers, is_training, name=name)
+    ctx.strategy = strategy
+    if examples is None:
+        ctx.num_examples = None
+        ctx.example_weight = tf.constant(1.0 / ctx.total)
+    else:
+        n = tf.cast(examples, tf.float32)
+        ctx.num_examples = examples
+        ctx.example_weight = (
+            tf.constant(1.0) if ctx.total == 1
+            else tf.math.divide_no_nan(n, strategy.all_reduce_sum([n])[0])
+        )
+    with ctx, tf.summary.record_if(ctx.is_main_tower), forbid_variable_creation(step_name):
+        yield ctx
+        if is_training:
+            _follow_main_tower(model, ctx)
+
+
+def _replica_local_weights(model):
+    """Non-trainable weights each tower updates on its own copy (e.g.
+    BatchNormalization's moving statistics), except those of frozen layers
+    and of layers that synchronize across towers themselves."""
+    cache = model._step_cache
+    if cache.local_weights is None:
+        skip = {
+            id(weight)
+            for layer in _compat.flatten_layers(model)
+            if not layer.trainable or getattr(layer, "synchronized", False)
+            for weight in layer.weights
+        }
+        cache.local_weights = [
+            weight for weight in model.non_trainable_weights
+            if weight.aggregation == "none" and id(weight) not in skip
+        ]
+    return cache.local_weights
+
+
+def _follow_main_tower(model, ctx):
+    weights = _replica_local_weights(model)
+    if ctx.total == 1 or not weights:
+        return
+    shares = [w.value if ctx.is_main_tower else tf.zeros_like(w.value) for w in weights]
+    for weight, value in zip(weights, model.tower_strategy.all_reduce_sum(shares)):
+        weight.assign(value)
+
+
+def seed_towers_apart(model):
+    """Gives every tower its own random stream: tower i's seed generators
+    start from tower 0's state with the seed moved by i (else every tower's
+    Dropout draws the same mask). Tower 0, what is saved, keeps its stream."""
+    if model.num_towers == 1:
+        return
+    for layer in _compat.flatten_layers(model):
+        for generator in _compat.seed_generators(layer):
+            model.tower_strategy.assign_per_tower(
+                generator.state.value,
+                lambda index, main: main + tf.constant([index * 1_000_003, 0], main.dtype),
+            )
+
+
+# -- step functions --------------------------------------------------------------
+
+def _run_unless_empty(test_step, data, examples):
+    """`test_step(data)` unless the batch is empty (an empty batch would add
+    zero losses with a count of one to Keras's per-output loss trackers)."""
+    outputs = []
+
+    def run():
+        outputs.append(test_step(data))
+        return tf.constant(True)
+
+    tf.cond(examples > 0, run, lambda: tf.constant(False))
+    return outputs[0] if outputs else None
+
+
+def _warn_unlogged_outputs(outputs, metric_keys, step_name):
+    if isinstance(outputs, dict):
+        extra = sorted(set(outputs) - metric_keys)
+        if extra:
+            warnings.warn(
+                f"kerastower: {step_name} returned {extra}, which are not metrics "
+                "of the model; logs show the model's metrics only. Track such "
+                "values with a keras.metrics.Mean listed in the model's `metrics`."
+            )
+
+
+def make_step_function(model, tower_step, mode):
+    """A function `f(iterator, num_steps)` running up to `num_steps` steps.
+
+    It returns (steps run, examples seen, last step's examples per tower,
+    batches each tower took, logs). Training and evaluation stop early,
+    without error, when the input runs out; their logs are the model's
+    metrics read across towers. Prediction runs one step and returns the
+    outputs concatenated in tower order.
+    """
+    strategy = model.tower_strategy
+    is_training = mode == "train"
+    step_name = f"{type(model).__name__}.{tower_step.__name__}"
+    metric_keys = set(model.get_metrics_result()) if mode != "predict" else set()
+
+    def tower_fn(data):
+        index = strategy.tower_index()
+        name = f"predict_tower{index}" if mode == "predict" else None
+        examples = num_examples(data)
+        with tower_scope(model, is_training, step_name, name=name,
+                         examples=examples if is_training else None) as ctx:
+            if mode == "test" and ctx.total > 1:
+                outputs = _run_unless_empty(tower_step, data, examples)
+            else:
+                outputs = tower_step(data)
+        if mode != "predict":
+            _warn_unlogged_outputs(outputs, metric_keys, step_name)
+        return outputs, examples
+
+    def run_towers(data):
+        outputs, examples = strategy.run(tower_fn, args=(data,))
+        return outputs, strategy.gather_tower_scalars(examples)
+
+    def predict_function(data):
+        outputs, _ = run_towers(data)
+        return tf.nest.map_structure(strategy.concat_tower_outputs, outputs)
+
+    def function(iterator, num_steps):
+        steps = tf.constant(0)
+        examples = tf.constant(0)
+        tower_examples = tf.zeros([strategy.num_towers], tf.int32)
+        tower_batches = tf.zeros([strategy.num_towers], tf.int32)
+        # An optional tells "no data left for any tower" (stop) from a last
+        # step where only some towers got a batch (run it).
+        for _ in tf.range(num_steps):
+            has_data, next_batches = strategy.next_step(iterator)
+            if not has_data:
+                break
+            _, tower_examples = run_towers(next_batches())
+            examples += tf.reduce_sum(tower_examples)
+            tower_batches += tf.cast(tower_examples > 0, tf.int32)
+            steps += 1
+        # Metrics read across towers sum every tower's totals and counts:
+        # the logs are example-weighted over towers.
+        logs = strategy.metrics_result(model)
+        return steps, examples, tower_examples, tower_batches, logs
+
+    step_function = predict_function if mode == "predict" else function
+    if not model.run_eagerly:
+        step_function = tf.function(step_function, reduce_retracing=True)
+    return step_function
+
+
+def run_steps(function, iterator, num_steps):
+    """Runs up to `num_steps` steps of a step function; returns a StepsRun."""
+    try:
+        steps, examples, tower_examples, tower_batches, outputs = function(
+            iterator, tf.constant(num_steps)
+        )
+    except tf.errors.OutOfRangeError:
+        return StepsRun(0, 0, None, 0, None)
+    except tf.errors.UnavailableError as error:
+        raise PeerFailureError(
+            "Another worker of this training stopped responding (it died or "
+            "lost its network), so the collective step was aborted. Restart "
+            "all workers; with kt.callbacks.AutoResume they go on from the "
+            f"last checkpoint. TensorFlow said: {error.message.splitlines()[0]}"
+        ) from error
+    return StepsRun(
+        int(steps), int(examples), tower_examples, np.asarray(tower_batches, np.int64), outputs,
+    )
