@@ -116,6 +116,9 @@ class HorovodStrategy(TowerStrategy):
         for variable in variables:
             variable.assign(self.hvd.broadcast(variable.value, root_rank=0))
 
+    def broadcast_object(self, obj):
+        return self.hvd.broadcast_object(obj, root_rank=0)
+
     def assign_per_tower(self, variable, value_fn):
         main = self.hvd.broadcast(tf.convert_to_tensor(variable), root_rank=0)
         variable.assign(value_fn(self.hvd.rank(), main))

@@ -1,37 +1,59 @@
-"""Where training is: tensorpack's loop counters, kept by `TowerModel.fit`
-and by `kt.Trainer`.
+"""The one training loop, shared by `TowerModel.fit` and `kt.Trainer.train`.
 
-Training runs
+Training is running some iterations:
 
     for epoch_num in range(starting_epoch, max_epoch + 1):
         for local_step in range(steps_per_epoch):
-            step()
+            run_step()
 
-and an epoch is only the period at which callbacks run. `epoch_num` is
-1-based, as in tensorpack; Keras callbacks receive the 0-based index
-`epoch_num - 1` as their `epoch` argument.
+and an epoch is only the period at which callbacks run. `MainLoop` runs
+that loop and schedules every callback around it; what an iteration is
+comes from an `Iteration` (fit: one call of the compiled tower step, see
+`fit_steps.py`; kt.Trainer: its `run_step()`). `epoch_num` is 1-based, as in
+tensorpack; Keras callbacks get the 0-based `epoch_num - 1`.
 """
 
-__all__ = ["LoopState"]
+import warnings
+
+import keras
+
+from kerastower import _compat
+from kerastower.callbacks import monitors
+from kerastower.callbacks.base import Callback as KtCallback
+from kerastower.engine import tf_step
+from kerastower.errors import StrategyError
+from kerastower.resume import ResumeState
+
+__all__ = ["LoopState", "MainLoop", "Iteration", "StopTraining", "training_callbacks"]
+
+
+class StopTraining(Exception):
+    """Raise it from a step or from a callback to end training now.
+
+    The loop stops at once (the current epoch does not finish), every
+    callback's `_after_train` runs, and `fit` / `train()` return normally.
+    """
 
 
 class LoopState:
     """The counters of the training loop, readable from any callback.
 
     Attributes:
-        starting_epoch: the first epoch_num of this `fit` call (1-based).
+        starting_epoch: the first epoch_num of this run (1-based).
         max_epoch: the last epoch_num (Keras's `epochs`).
         steps_per_epoch: steps in an epoch, or None when an epoch is one pass
             over data of unknown length.
         epoch_num: the current (or last) epoch, 1-based; 0 before training.
         local_step: steps done in the current epoch.
         global_step: steps done, continuous across epochs, calls and resumed
-            runs: under `fit`, the optimizer's iteration count; under
-            `kt.Trainer`, the iterations (`run_step()` calls) done.
+            runs. The loop counts them itself, so a step LossScaleOptimizer
+            skips still counts.
         tower_batches: batches each tower has taken from the input in this
             run (since the current pass began, when an epoch is one pass):
             the input position a checkpoint records.
         examples_seen: examples trained on by all towers, in this process.
+        epoch_ended: True from the end of an epoch's last step until the
+            next epoch begins (checkpoints written then resume at the next).
 
     Example:
 
@@ -43,11 +65,8 @@ class LoopState:
     ```
     """
 
-    def __init__(self, model, counts_iterations=False):
-        self._model = model
-        # kt.Trainer's run_step may use several optimizers or none: it
-        # counts its iterations itself.
-        self.iterations = 0 if counts_iterations else None
+    def __init__(self):
+        self.global_step = 0
         self.starting_epoch = 1
         self.max_epoch = 0
         self.steps_per_epoch = None
@@ -55,15 +74,7 @@ class LoopState:
         self.local_step = 0
         self.tower_batches = []
         self.examples_seen = 0
-
-    @property
-    def global_step(self):
-        if self.iterations is not None:
-            return self.iterations
-        optimizer = getattr(self._model, "optimizer", None)
-        if optimizer is None:
-            return 0
-        return int(optimizer.iterations.numpy())
+        self.epoch_ended = False
 
     def __repr__(self):
         return (
@@ -71,3 +82,247 @@ class LoopState:
             f"global_step={self.global_step}, steps_per_epoch={self.steps_per_epoch}, "
             f"starting_epoch={self.starting_epoch}, max_epoch={self.max_epoch})"
         )
+
+
+class Iteration:
+    """What one iteration of the loop is: the part fit and kt.Trainer differ in.
+
+    `run(num_steps)` runs up to `num_steps` steps through the hooked path and
+    returns (steps run, their logs); fewer than asked means the input ended.
+    """
+
+    steps_per_call = 1
+
+    def start(self, skip_batches):
+        """Before the first epoch: open the input, skipping `skip_batches`
+        (batches each tower took before a resume; None for a fresh start)."""
+
+    def before_epoch(self, loop):
+        """At the start of every epoch, before the callbacks' hooks."""
+
+    def run(self, num_steps):
+        raise NotImplementedError
+
+    def ended_early(self, loop, step):
+        """The input ended after `step` steps of the epoch: raise if that is an error."""
+
+    def epoch_logs(self, loop):
+        """The epoch's logs, given to on_epoch_end."""
+        return {}
+
+    def finish(self):
+        """After the last epoch, before on_train_end."""
+
+
+def _with_default_monitors(callbacks, verbose, logdir):
+    """The user's callbacks with kerastower's progress bar first and, given a
+    logdir, throughput, TensorBoard and stats.json writers at the end."""
+    callbacks = list(callbacks or [])
+    kinds = tuple(type(cb) for cb in callbacks)
+    if verbose != 0 and not any(issubclass(k, keras.callbacks.ProgbarLogger) for k in kinds):
+        callbacks.insert(0, monitors.ProgressBar())
+    if logdir is not None:
+        for kind, make in (
+            (monitors.ThroughputTracker, monitors.ThroughputTracker),
+            (keras.callbacks.TensorBoard, lambda: monitors.TensorBoard(logdir)),
+            (monitors.JSONWriter, lambda: monitors.JSONWriter(logdir)),
+        ):
+            if not any(issubclass(k, kind) for k in kinds):
+                callbacks.append(make())
+    return callbacks
+
+
+_KERAS_CHIEF_ONLY = (
+    keras.callbacks.TensorBoard,
+    keras.callbacks.ModelCheckpoint,
+    keras.callbacks.CSVLogger,
+    keras.callbacks.ProgbarLogger,
+)
+
+
+def callbacks_for_this_process(strategy, callbacks):
+    """Drops `chief_only` callbacks on processes that are not the chief.
+    Keras's callbacks that write files or print count as chief-only."""
+    if callbacks is None or strategy.is_chief:
+        return callbacks
+    return [
+        cb for cb in callbacks
+        if not getattr(cb, "chief_only", isinstance(cb, _KERAS_CHIEF_ONLY))
+    ]
+
+
+def training_callbacks(model, callbacks, verbose, logdir, epochs, steps):
+    """The CallbackList a training run calls: the user's callbacks with the
+    default monitors, those of this process only, with a History."""
+    if isinstance(callbacks, keras.callbacks.CallbackList):
+        return callbacks
+    return keras.callbacks.CallbackList(
+        callbacks_for_this_process(
+            model.tower_strategy, _with_default_monitors(callbacks, verbose, logdir)
+        ),
+        add_history=True,
+        add_progbar=False,
+        verbose=verbose,
+        epochs=epochs,
+        steps=steps,
+        model=model,
+    )
+
+
+def check_strategy(model, method):
+    """Refuses to run a model under another strategy than the one it was
+    created under (its variables live on that strategy's devices)."""
+    from kerastower import strategies
+
+    active = strategies.current_strategy()
+    if strategies.is_explicit() and active.tf_strategy is not model.tower_strategy.tf_strategy:
+        raise StrategyError(
+            f"{method}() runs under {active} but this model was created under "
+            f"{model.tower_strategy}. Create the model inside the same "
+            "kt.distributed function or block that calls "
+            f"{method}(), so its variables live on the towers that train it."
+        )
+
+
+class MainLoop:
+    """Runs an `Iteration` in epochs, with callbacks (tensorpack's main_loop).
+
+    The order, for fit and kt.Trainer alike: AutoResume's checkpoint is
+    restored on the chief and its variables and resume state broadcast to
+    every process; on_train_begin; then per epoch on_epoch_begin, per step
+    on_train_batch_begin, the hooked run, on_train_batch_end; then
+    on_epoch_end with the epoch's logs; on_train_end at the end or when a
+    StopTraining ends it. When training fails, the kt callbacks'
+    after_train still runs (Keras callbacks' on_train_end does not: to
+    Keras it means training completed), and the error is re-raised.
+    """
+
+    def __init__(self, model, loop, callbacks, name):
+        self.model = model
+        self.loop = loop
+        self.callbacks = callbacks
+        self.name = name
+        self.strategy = model.tower_strategy
+
+    def run(self, iteration, starting_epoch, max_epoch, steps_per_epoch, epoch_length=None):
+        """Trains epochs `starting_epoch..max_epoch` (1-based, inclusive).
+
+        `steps_per_epoch` None makes an epoch one pass over the input (whose
+        length, if known, is `epoch_length`).
+        """
+        model, loop, callbacks = self.model, self.loop, self.callbacks
+        check_strategy(model, self.name)
+        loop.starting_epoch = starting_epoch
+        loop.max_epoch = max_epoch
+        loop.steps_per_epoch = steps_per_epoch or epoch_length
+        loop.tower_batches = [0] * model.num_towers
+        model.stop_training = False
+        epoch_logs = None
+        try:
+            state = self._restore()
+            callbacks.on_train_begin()
+            epoch_num, first_step, skip = self._start_position(state, starting_epoch, steps_per_epoch)
+            loop.starting_epoch = epoch_num
+            iteration.start(skip)
+            for epoch_num in range(epoch_num, max_epoch + 1):
+                epoch_logs = self._run_epoch(iteration, epoch_num, first_step, steps_per_epoch)
+                first_step = 0
+                if model.stop_training:
+                    break
+            iteration.finish()
+        except StopTraining as stop:
+            _compat.print_msg(
+                f"{self.name}: training was stopped at global step {loop.global_step}"
+                f"{': ' + str(stop) if str(stop) else ''}."
+            )
+            self._after_train(epoch_logs)
+        except BaseException:
+            self._after_train(epoch_logs, failed=True)
+            raise
+        else:
+            self._after_train(epoch_logs)
+
+    def _restore(self):
+        """Restores the newest checkpoint (AutoResume's) on the chief, then
+        gives every process the chief's variables and resume state; returns
+        that state, or None."""
+        state = None
+        for callback in getattr(self.callbacks, "callbacks", self.callbacks):
+            restore = getattr(callback, "restore_training_state", None)
+            if restore is not None and self.strategy.is_chief:
+                state = restore() or state
+        state = self.strategy.broadcast_object(None if state is None else state.to_dict())
+        self.strategy.sync_initial_state(self.model)
+        tf_step.seed_towers_apart(self.model)
+        if state is None:
+            return None
+        state = ResumeState.from_dict(state)
+        state.check_towers(self.model.num_towers)
+        self.loop.global_step = state.global_step
+        return state
+
+    def _start_position(self, state, starting_epoch, steps_per_epoch):
+        """(first epoch_num, its first step, batches each tower skips)."""
+        loop = self.loop
+        keras_epoch = _compat.initial_epoch(self.model)  # Keras's BackupAndRestore
+        if state is None:
+            return (keras_epoch + 1 if keras_epoch else starting_epoch), 0, None
+        epoch_num, first_step, skip = state.start_position(steps_per_epoch)
+        if skip is not None:
+            loop.tower_batches = list(skip)
+        if state.steps_per_epoch != loop.steps_per_epoch and steps_per_epoch:
+            _compat.print_msg(
+                f"{self.name}: the checkpoint was written with steps_per_epoch="
+                f"{state.steps_per_epoch}; with {steps_per_epoch} now, training goes on "
+                f"at epoch {epoch_num}, step 0."
+            )
+        return epoch_num, first_step, skip
+
+    def _run_epoch(self, iteration, epoch_num, first_step, steps_per_epoch):
+        loop, callbacks, model = self.loop, self.callbacks, self.model
+        loop.epoch_num = epoch_num
+        loop.local_step = step = first_step
+        loop.epoch_ended = False
+        iteration.before_epoch(loop)
+        callbacks.on_epoch_begin(epoch_num - 1)
+        while steps_per_epoch is None or step < steps_per_epoch:
+            want = iteration.steps_per_call
+            if steps_per_epoch:
+                want = min(want, steps_per_epoch - step)
+            callbacks.on_train_batch_begin(step)
+            ran, logs = iteration.run(want)
+            if ran:
+                step += ran
+                loop.local_step = step
+                loop.global_step += ran
+                callbacks.on_train_batch_end(step - 1, logs)
+            if ran < want:
+                iteration.ended_early(loop, step)
+                break
+            if model.stop_training:
+                break
+        loop.epoch_ended = True
+        epoch_logs = iteration.epoch_logs(loop)
+        callbacks.on_epoch_end(epoch_num - 1, epoch_logs)
+        return epoch_logs
+
+    def _after_train(self, logs, failed=False):
+        if not failed:
+            try:
+                self.callbacks.on_train_end(logs)
+            except StopTraining:
+                pass
+            return
+        # On failure, tensorpack's after_train runs (kt callbacks); Keras
+        # callbacks keep Keras's contract, where on_train_end means training
+        # completed (BackupAndRestore would delete its backup).
+        for callback in getattr(self.callbacks, "callbacks", []):
+            if not isinstance(callback, KtCallback):
+                continue
+            try:
+                callback.on_train_end(logs)
+            except Exception as error:  # the training error is the one to report
+                warnings.warn(
+                    f"kerastower: {type(callback).__name__}.on_train_end failed while "
+                    f"training was failing: {type(error).__name__}: {error}"
+                )

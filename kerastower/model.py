@@ -31,42 +31,18 @@ import tensorflow as tf
 
 from kerastower import _compat
 from kerastower import strategies
-from kerastower.callbacks import monitors
-from kerastower.callbacks.base import RunHooks
 from kerastower.engine import tf_step
 from kerastower.errors import InputSourceError
 from kerastower.errors import StrategyError
 from kerastower.errors import TowerRuleError
 from kerastower.inputs import as_input_source
+from kerastower.fit_steps import FitSteps
 from kerastower.loop import LoopState
+from kerastower.loop import MainLoop
+from kerastower.loop import check_strategy
+from kerastower.loop import training_callbacks
 
 __all__ = ["TowerModel"]
-
-
-_KERAS_CHIEF_ONLY = (
-    keras.callbacks.TensorBoard,
-    keras.callbacks.ModelCheckpoint,
-    keras.callbacks.CSVLogger,
-    keras.callbacks.ProgbarLogger,
-)
-
-
-def _with_default_monitors(callbacks, verbose, logdir):
-    """The user's callbacks with kerastower's progress bar first and, given a
-    logdir, throughput, TensorBoard and stats.json writers at the end."""
-    callbacks = list(callbacks or [])
-    kinds = tuple(type(cb) for cb in callbacks)
-    if verbose != 0 and not any(issubclass(k, keras.callbacks.ProgbarLogger) for k in kinds):
-        callbacks.insert(0, monitors.ProgressBar())
-    if logdir is not None:
-        for kind, make in (
-            (monitors.ThroughputTracker, monitors.ThroughputTracker),
-            (keras.callbacks.TensorBoard, lambda: monitors.TensorBoard(logdir)),
-            (monitors.JSONWriter, lambda: monitors.JSONWriter(logdir)),
-        ):
-            if not any(issubclass(k, kind) for k in kinds):
-                callbacks.append(make())
-    return callbacks
 
 
 class _StepCache:
@@ -128,7 +104,7 @@ class TowerModel(keras.Model):
         # as the model's own variables (reordering model.variables); a plain
         # holder keeps these caches out of its sight.
         self._step_cache = _StepCache()
-        self.loop = LoopState(self)
+        self.loop = LoopState()
 
     @classmethod
     def wrap(cls, model):
@@ -270,14 +246,6 @@ class TowerModel(keras.Model):
     # ------------------------------------------------------------------
     # Step functions: one batch per tower per step (kerastower/engine).
 
-    def _seed_towers_apart(self):
-        tf_step.seed_towers_apart(self)
-
-    def _after_restore(self):
-        """After variables were restored (one value for all towers): spread
-        the towers' random streams apart again."""
-        tf_step.seed_towers_apart(self)
-
     def make_train_function(self, force=False):
         if self.train_function is None or force:
             self.train_function = tf_step.make_step_function(self, self.train_step, "train")
@@ -296,16 +264,6 @@ class TowerModel(keras.Model):
     # ------------------------------------------------------------------
     # fit / evaluate / predict
 
-    def _check_strategy(self, method):
-        active = strategies.current_strategy()
-        if strategies.is_explicit() and active.tf_strategy is not self._tower_strategy.tf_strategy:
-            raise StrategyError(
-                f"{method}() runs under {active} but this model was created under "
-                f"{self._tower_strategy}. Create the model inside the same "
-                "kt.distributed function or block that calls "
-                f"{method}(), so its variables live on the towers that train it."
-            )
-
     def _build_for(self, source, with_targets=True):
         """Creates every variable (layers, metrics, optimizer slots) from the
         spec of tower 0's batches, so that no tower step creates one."""
@@ -320,22 +278,6 @@ class TowerModel(keras.Model):
                 )
                 _compat.compute_output_spec(self._call_tower, x, training=False)
         self._step_cache.local_weights = None
-
-    def _run_steps(self, function, iterator, num_steps):
-        return tf_step.run_steps(function, iterator, num_steps)
-
-    def _announce_total_batch(self, tower_examples, verbose):
-        if self._announced_batch or verbose == 0 or not self._tower_strategy.is_chief:
-            return
-        self._announced_batch = True
-        counts = [int(n) for n in np.asarray(tower_examples)]
-        if len(set(counts)) == 1:
-            per_tower = f"{len(counts)} tower(s) x {counts[0]} examples"
-        else:
-            per_tower = f"towers took {', '.join(map(str, counts))} examples"
-        _compat.print_msg(
-            f"kerastower: {per_tower} = total batch {sum(counts)} per step"
-        )
 
     def fit(
         self,
@@ -366,7 +308,6 @@ class TowerModel(keras.Model):
         ThroughputTracker there, unless `callbacks` has them already.
         """
         _compat.assert_compile_called(self, "fit")
-        self._check_strategy("fit")
         if validation_split and validation_data is None:
             (x, y, sample_weight), validation_data = _compat.train_validation_split(
                 (x, y, sample_weight), validation_split=validation_split
@@ -386,142 +327,24 @@ class TowerModel(keras.Model):
         source = as_input_source(
             x, y, sample_weight, batch_size, shuffle, repeat=bool(steps_per_epoch)
         )
-        val_source = None
+        validation = None
         if validation_data is not None:
-            val_source = self._validation_source(
-                validation_data, validation_batch_size or batch_size
-            )
+            validation = {
+                "source": self._validation_source(validation_data, validation_batch_size or batch_size),
+                "steps": validation_steps,
+                "freq": validation_freq,
+            }
         self._build_for(source)
-        self._tower_strategy.sync_initial_state(self)
-        self._seed_towers_apart()
-        steps = steps_per_epoch or source.steps(self.num_towers)
-        if not isinstance(callbacks, keras.callbacks.CallbackList):
-            callbacks = self._training_callbacks(callbacks, verbose, logdir, epochs, steps)
-        run_hooks = RunHooks(callbacks)
-        self.stop_training = False
-        self._announced_batch = False
-        self._resume_state = None
-        train_function = self.make_train_function()
-        self.loop.starting_epoch = initial_epoch + 1
-        self.loop.max_epoch = epochs
-        self.loop.steps_per_epoch = steps
-        self.loop.tower_batches = [0] * self.num_towers
-        callbacks.on_train_begin()
-        # BackupAndRestore and AutoResume set where to resume in on_train_begin.
-        initial_epoch = _compat.initial_epoch(self) or initial_epoch
-        first_step, skip_batches = self._resume_position(steps_per_epoch)
-        if self._resume_state is not None:
-            initial_epoch = self._resume_state["epoch_num"] - (1 if first_step else 0)
-        self.loop.starting_epoch = initial_epoch + 1
-        self._tower_batches_taken = np.asarray(
-            skip_batches if skip_batches is not None else [0] * self.num_towers, np.int64
+        epoch_length = steps_per_epoch or source.steps(self.num_towers)
+        callbacks = training_callbacks(self, callbacks, verbose, logdir, epochs, epoch_length)
+        if self.loop.global_step == 0 and self.optimizer is not None:
+            # A model trained or loaded by Keras before goes on counting.
+            self.loop.global_step = int(self.optimizer.iterations.numpy())
+        steps = FitSteps(self, source, callbacks, steps_per_epoch, validation, verbose)
+        MainLoop(self, self.loop, callbacks, "fit").run(
+            steps, initial_epoch + 1, epochs, steps_per_epoch, epoch_length=epoch_length
         )
-        distributed = source.distribute(self._tower_strategy, skip_batches=skip_batches)
-        iterator = iter(distributed) if steps_per_epoch else None
-        logs, training_logs = {}, None
-        for epoch in range(initial_epoch, epochs):
-            self.reset_metrics()
-            self.loop.epoch_num = epoch + 1
-            self.loop.local_step = step = first_step
-            first_step = 0
-            callbacks.on_epoch_begin(epoch)
-            if not steps_per_epoch:
-                iterator = iter(distributed)
-                self._tower_batches_taken[:] = 0
-            while not steps_per_epoch or step < steps_per_epoch:
-                want = self.steps_per_execution
-                if steps_per_epoch:
-                    want = min(want, steps_per_epoch - step)
-                callbacks.on_train_batch_begin(step)
-                run_hooks.before_run()
-                run = self._run_steps(train_function, iterator, want)
-                run_hooks.after_run(run.logs)
-                ran = run.steps
-                if ran:
-                    logs = run.logs
-                    step += ran
-                    self._tower_batches_taken += run.tower_batches
-                    self.loop.local_step = step
-                    self.loop.tower_batches = self._tower_batches_taken.tolist()
-                    self.loop.examples_seen += run.examples
-                    self._announce_total_batch(run.tower_examples, verbose)
-                    callbacks.on_train_batch_end(step - 1, logs)
-                if ran < want:
-                    self._check_not_exhausted(steps_per_epoch, epoch, step)
-                    break
-                if self.stop_training:
-                    break
-            # The step function's logs are the metrics read across towers
-            # (and processes); the model's own read would be this process's.
-            epoch_logs = dict(logs)
-            if val_source is not None and self._should_eval(epoch, validation_freq):
-                val_logs = self.evaluate(
-                    val_source,
-                    steps=validation_steps,
-                    callbacks=callbacks,
-                    return_dict=True,
-                    _from_fit=True,
-                )
-                epoch_logs.update({f"val_{k}": v for k, v in val_logs.items()})
-            callbacks.on_epoch_end(epoch, epoch_logs)
-            training_logs = epoch_logs
-            if self.stop_training:
-                break
-        if epochs > 0 and isinstance(self.optimizer, keras.optimizers.Optimizer):
-            self.optimizer.finalize_variable_values(self.trainable_weights)
-        callbacks.on_train_end(logs=training_logs)
         return self.history
-
-    def _resume_position(self, steps_per_epoch):
-        """(first step of the first epoch, batches each tower already took)
-        from the state AutoResume restored in on_train_begin, if any."""
-        state = self._resume_state
-        if state is None:
-            return 0, None
-        if not steps_per_epoch:
-            # One pass per epoch: the pass restarts, so resume at the epoch's start.
-            return 0, None
-        local_step = state["local_step"] if state["local_step"] < steps_per_epoch else 0
-        return local_step, state["tower_batches"]
-
-    def _training_callbacks(self, callbacks, verbose, logdir, epochs, steps):
-        """The CallbackList a training run calls: the user's callbacks with
-        the default monitors, those of this process only, with a History."""
-        return keras.callbacks.CallbackList(
-            self._callbacks_for_this_process(_with_default_monitors(callbacks, verbose, logdir)),
-            add_history=True,
-            add_progbar=False,
-            verbose=verbose,
-            epochs=epochs,
-            steps=steps,
-            model=self,
-        )
-
-    def _callbacks_for_this_process(self, callbacks):
-        """Drops `chief_only` callbacks on processes that are not the chief.
-        Keras's callbacks that write files or print count as chief-only."""
-        if callbacks is None or self._tower_strategy.is_chief:
-            return callbacks
-        return [
-            cb for cb in callbacks
-            if not getattr(cb, "chief_only", isinstance(cb, _KERAS_CHIEF_ONLY))
-        ]
-
-    def _check_not_exhausted(self, steps_per_epoch, epoch, step):
-        if steps_per_epoch:
-            raise InputSourceError(
-                f"The input ran out after {step} of steps_per_epoch="
-                f"{steps_per_epoch} steps in epoch {epoch + 1}. With "
-                "steps_per_epoch set, an epoch is only the period at which "
-                "callbacks run and the input must not end: call .repeat() on "
-                "the dataset, or leave steps_per_epoch unset to make an epoch "
-                "one pass over the data."
-            )
-        if step == 0:
-            raise InputSourceError(
-                "The input gave no batch at all: it is empty, or (with "
-                "steps_per_epoch unset) it was a one-shot source already used up."
-            )
 
     def _validation_source(self, validation_data, batch_size):
         if isinstance(validation_data, (tuple, list)) and not isinstance(
@@ -550,7 +373,7 @@ class TowerModel(keras.Model):
         if kwargs:
             raise ValueError(f"Arguments not recognized: {kwargs}")
         _compat.assert_compile_called(self, "evaluate")
-        self._check_strategy("evaluate")
+        check_strategy(self, "evaluate")
         source = as_input_source(x, y, sample_weight, batch_size)
         if not from_fit:
             self._build_for(source)
@@ -572,7 +395,7 @@ class TowerModel(keras.Model):
         while not steps or step < steps:
             want = self.steps_per_execution if not steps else min(self.steps_per_execution, steps - step)
             callbacks.on_test_batch_begin(step)
-            run = self._run_steps(test_function, iterator, want)
+            run = tf_step.run_steps(test_function, iterator, want)
             ran = run.steps
             if ran:
                 logs = run.logs
@@ -592,7 +415,7 @@ class TowerModel(keras.Model):
         With a shared source, tower k of a step takes the k-th next batch, so
         concatenating the towers' outputs step by step restores the order.
         """
-        self._check_strategy("predict")
+        check_strategy(self, "predict")
         source = as_input_source(x, batch_size=batch_size)
         self._build_for(source, with_targets=False)
         if not isinstance(callbacks, keras.callbacks.CallbackList):

@@ -20,8 +20,10 @@ pipeline per replica there). Worker 0 is the chief: it writes logs and
 checkpoints. Weights are broadcast from tower 0 when fit starts.
 """
 
+import json
 import os
 
+import numpy as np
 import tensorflow as tf
 
 from kerastower.errors import StrategyError
@@ -75,9 +77,9 @@ class MultiWorkerStrategy(TowerStrategy):
         as_float = self.tf_strategy.run(lambda v: tf.cast(v, tf.float64), args=(per_tower,))
         return self.tf_strategy.reduce(tf.distribute.ReduceOp.SUM, as_float, axis=None)
 
-    def sync_initial_state(self, model):
-        variables = training_state(model)
-        values = [v.value for v in variables]
+    def _from_tower_0(self, values):
+        """Tower 0's `values` (tensors of the same shapes everywhere), on
+        every worker: each tower adds its share, zero but on tower 0."""
 
         def share_of_tower_0():
             index = tf.distribute.get_replica_context().replica_id_in_sync_group
@@ -88,8 +90,20 @@ class MultiWorkerStrategy(TowerStrategy):
             shares = self.tf_strategy.run(share_of_tower_0)
             return [self.tf_strategy.reduce(tf.distribute.ReduceOp.SUM, s, axis=None) for s in shares]
 
-        for variable, value in zip(variables, broadcast()):
+        return broadcast()
+
+    def sync_initial_state(self, model):
+        variables = training_state(model)
+        for variable, value in zip(variables, self._from_tower_0([v.value for v in variables])):
             variable.assign(value)
+
+    def broadcast_object(self, obj):
+        data = np.frombuffer(json.dumps(obj).encode(), np.uint8).astype(np.int32)
+        (length,) = self._from_tower_0([tf.constant(len(data), tf.int64)])
+        padded = np.zeros(int(length), np.int32)
+        padded[: min(len(data), len(padded))] = data[: len(padded)]
+        (received,) = self._from_tower_0([tf.constant(padded)])
+        return json.loads(bytes(np.asarray(received, np.uint8)).decode())
 
     def assign_per_tower(self, variable, value_fn):
         copies = self.tower_values(variable)

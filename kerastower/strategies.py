@@ -24,6 +24,7 @@ import threading
 import keras
 import tensorflow as tf
 
+from kerastower import _compat
 from kerastower.errors import StrategyError
 
 __all__ = [
@@ -128,6 +129,10 @@ class TowerStrategy:
         """Makes every tower start from the same variables (one process:
         mirrored variables already are)."""
 
+    def broadcast_object(self, obj):
+        """The chief's `obj` (JSON-able), on every process."""
+        return obj
+
     def all_reduce_sum(self, values):
         """Sums `values` (a list of tensors) over towers, inside a tower step."""
         if self.num_towers == 1:
@@ -169,15 +174,10 @@ class TowerStrategy:
             # TF 2.21's MirroredStrategy keeps the input devices of a
             # PER_REPLICA call for good, after which a shared pipeline feeds
             # every tower the same batch; put them back after the call.
-            extended = self.tf_strategy.extended
-            saved = getattr(extended, "_input_workers_devices", None)
-            try:
+            with _compat.input_devices_kept(self.tf_strategy):
                 return self.tf_strategy.distribute_datasets_from_function(
                     dataset_fn, options
                 )
-            finally:
-                if saved is not None:
-                    extended._input_workers_devices = saved
         return self.tf_strategy.distribute_datasets_from_function(dataset_fn)
 
     def __repr__(self):

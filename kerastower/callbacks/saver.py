@@ -24,22 +24,9 @@ import time
 
 from kerastower import checkpoint
 from kerastower.callbacks.base import Callback
-from kerastower.errors import KerasTowerError
+from kerastower.resume import ResumeState
 
 __all__ = ["ModelSaver", "MinSaver", "MaxSaver", "AutoResume"]
-
-
-def _loop_state(model):
-    loop = model.loop
-    return {
-        "epoch_num": loop.epoch_num,
-        "local_step": loop.local_step,
-        "global_step": loop.global_step,
-        "steps_per_epoch": loop.steps_per_epoch,
-        "tower_batches": list(loop.tower_batches),
-        "num_towers": model.num_towers,
-        "time": time.time(),
-    }
 
 
 class ModelSaver(Callback):
@@ -70,7 +57,7 @@ class ModelSaver(Callback):
             self._last_kept_time = time.time()
 
     def _trigger(self):
-        state = _loop_state(self.model)
+        state = ResumeState.of(self.model).to_dict()
         path = checkpoint.write_checkpoint(self.checkpoint_dir, self.model, state)
         if self.keep_every_s is not None and state["time"] - self._last_kept_time >= self.keep_every_s:
             self._kept_for_good.add(path)
@@ -148,23 +135,18 @@ class AutoResume(Callback):
         super().__init__()
         self.checkpoint_dir = checkpoint_dir
         self.restored_from = None
-        # Every process restores its own copy of the model.
+        # Runs on every process, so the chief's restored state reaches all.
         self.chief_only = False
 
-    def _before_train(self):
+    def restore_training_state(self):
+        """Restores the newest checkpoint into the model; returns its
+        `ResumeState`, or None without one. The training loop calls it on
+        the chief before `on_train_begin`, then broadcasts the variables and
+        the state to every other process."""
         path = checkpoint.latest_checkpoint(self.checkpoint_dir)
         if path is None:
-            return
-        state = checkpoint.read_checkpoint(path, self.model)
-        if state["num_towers"] != self.model.num_towers and state["tower_batches"]:
-            raise KerasTowerError(
-                f"{path} was written by {state['num_towers']} towers; this run has "
-                f"{self.model.num_towers}, so the input position cannot be restored. "
-                "Resume with the same number of towers."
-            )
-        self.model._after_restore()
-        self.model._resume_state = state
-        if self.model.loop.iterations is not None:
-            # kt.Trainer counts its iterations itself (fit's are the optimizer's).
-            self.model.loop.iterations = state["global_step"]
+            return None
+        state = ResumeState.from_dict(checkpoint.read_checkpoint(path, self.model))
+        state.check_towers(self.model.num_towers)
         self.restored_from = path
+        return state

@@ -32,47 +32,59 @@ model = Counter()
 data = tf.data.Dataset.from_tensors(tf.ones([4])).repeat()
 SumTrainer(model, data).train(steps_per_epoch=5, max_epoch=2, verbose=0)
 assert float(model.total.numpy()) == 40.0
+
+class Counter(kt.Trainer):            # anything that runs in a loop: no model
+    def _setup(self):
+        self.count = self.add_variable("count")   # checkpointed, resumed
+
+    def run_step(self):
+        self.count.assign_add(1.0)
+
+counter = Counter()
+counter.train(steps_per_epoch=3, max_epoch=2, verbose=0)
+assert float(counter.count.numpy()) == 6.0
 ```
 """
 
 import functools
-import warnings
 
 import keras
 import numpy as np
 import tensorflow as tf
-from keras.src.utils import io_utils
-from keras.src.utils.python_utils import pythonify_logs
 
-from kerastower.callbacks.base import RunHooks
+from kerastower import _compat
+from kerastower.engine.tf_step import num_examples
 from kerastower.errors import InputSourceError
 from kerastower.errors import KerasTowerError
 from kerastower.inputs import InputSource
 from kerastower.inputs import as_input_source
+from kerastower.loop import Iteration
 from kerastower.loop import LoopState
+from kerastower.loop import MainLoop
+from kerastower.loop import StopTraining
+from kerastower.loop import training_callbacks
 from kerastower.model import TowerModel
-from kerastower.engine.tf_step import num_examples
+from kerastower.callbacks.base import RunHooks
 from kerastower.strategies import training_optimizers
 
 __all__ = ["Trainer", "StopTraining"]
 
 
-class StopTraining(Exception):
-    """Raise it from `run_step()` or from a callback to end training now.
-
-    The loop stops at once (the current epoch does not finish), every
-    callback's `_after_train` runs, and `train()` returns normally.
-    """
+class _TrainerState(TowerModel):
+    """What a trainer without a model registers its variables on: callbacks
+    see it as `self.model`, checkpoints save its variables."""
 
 
 class Trainer:
     """Runs `run_step()` in epochs of `steps_per_epoch` iterations, with callbacks.
 
     Args:
-        model: the `kt.TowerModel` being trained: what callbacks see as
+        model: optional `kt.TowerModel` being trained: what callbacks see as
             `self.model`, what checkpoints save (its variables and those of
             every optimizer it holds). Create it under the strategy to train
-            with; the trainer runs on the model's strategy.
+            with; the trainer runs on the model's strategy. Without one, the
+            trainer runs on the current strategy, and the variables it makes
+            with `add_variable` are what checkpoints save.
         input: optional `kt.InputSource` or `tf.data.Dataset` (batched per
             tower, and endless: an epoch does not end the data).
             `next_batches()` takes one batch per tower from it.
@@ -83,7 +95,9 @@ class Trainer:
         loop: the `kt.LoopState`, whose `global_step` counts iterations.
     """
 
-    def __init__(self, model, input=None, train_op=None):
+    def __init__(self, model=None, input=None, train_op=None):
+        if model is None:
+            model = _TrainerState(name=f"{type(self).__name__.lower()}_state")
         if not isinstance(model, TowerModel):
             raise TypeError(
                 f"{type(self).__name__} trains a kt.TowerModel; got "
@@ -101,7 +115,7 @@ class Trainer:
         self.strategy = model.tower_strategy
         self.input = None if input is None else as_input_source(input)
         self.train_op = train_op
-        self.loop = LoopState(model, counts_iterations=True)
+        self.loop = LoopState()
         self._run_hooks = RunHooks([])
         self._iterator = None
         self._is_set_up = False
@@ -158,6 +172,15 @@ class Trainer:
     def _setup(self):
         """Called once, before the first `train()` begins: create here every
         variable the steps need (optimizer slots) that the model has not."""
+
+    def add_variable(self, name, shape=(), dtype="float32", initializer="zeros"):
+        """A variable of the trainer's state, kept on `self.model`: it is
+        checkpointed, resumed, and broadcast to every process at start.
+        Call it from `_setup()` (or before `train()`)."""
+        with self.strategy.scope():
+            return self.model.add_weight(
+                shape=shape, dtype=dtype, initializer=initializer, name=name, trainable=False
+            )
 
     # ------------------------------------------------------------------
     # Towers: make run_step data-parallel.
@@ -241,7 +264,9 @@ class Trainer:
     ):
         """Runs epochs `starting_epoch..max_epoch` of `steps_per_epoch` iterations.
 
-        Callbacks (kt and Keras ones, in one list) see `self.model`. With
+        The loop is `fit`'s (kerastower/loop.py): the same callback order,
+        StopTraining, on_train_end on failure, and resume. Callbacks (kt and
+        Keras ones, in one list) see `self.model`. With
         `kt.callbacks.AutoResume`, training goes on from the latest
         checkpoint's epoch, step and input position. Returns the model's
         `History`: per epoch, the mean of each value the steps logged.
@@ -260,103 +285,19 @@ class Trainer:
                 self._setup()
             self._is_set_up = True
         self._check_optimizers_are_on_the_model()
-        self.strategy.sync_initial_state(self.model)
-        self.model._seed_towers_apart()
-        callbacks = self.model._training_callbacks(
-            callbacks, verbose, logdir, epochs=max_epoch, steps=steps_per_epoch
+        callbacks = training_callbacks(
+            self.model, callbacks, verbose, logdir, epochs=max_epoch, steps=steps_per_epoch
         )
         self._run_hooks = RunHooks(callbacks)
         fit_loop, self.model.loop = self.model.loop, self.loop
-        self.model.stop_training = False
-        self.model._resume_state = None
-        self.loop.steps_per_epoch = steps_per_epoch
-        self.loop.starting_epoch = starting_epoch
-        self.loop.max_epoch = max_epoch
-        self.loop.tower_batches = [0] * self.num_towers
-        epoch_logs = None
         try:
-            callbacks.on_train_begin()
-            epoch_num, first_step = self._start_position(starting_epoch, steps_per_epoch)
-            if self.input is not None:
-                skip = self.loop.tower_batches if any(self.loop.tower_batches) else None
-                self._iterator = iter(self.input.distribute(self.strategy, skip_batches=skip))
-            for epoch_num in range(epoch_num, max_epoch + 1):
-                epoch_logs = self._run_epoch(callbacks, epoch_num, first_step, steps_per_epoch)
-                first_step = 0
-                if self.model.stop_training:
-                    break
-        except StopTraining as stop:
-            io_utils.print_msg(
-                f"{type(self).__name__}: training was stopped at global step "
-                f"{self.global_step}{': ' + str(stop) if str(stop) else ''}."
+            MainLoop(self.model, self.loop, callbacks, type(self).__name__).run(
+                _RunSteps(self), starting_epoch, max_epoch, steps_per_epoch
             )
-            self._after_train(callbacks, epoch_logs)
-        except BaseException:
-            self._after_train(callbacks, epoch_logs, failed=True)
-            raise
-        else:
-            self._after_train(callbacks, epoch_logs)
         finally:
             self.model.loop = fit_loop
             self._iterator = None
         return self.model.history
-
-    def _run_epoch(self, callbacks, epoch_num, first_step, steps_per_epoch):
-        self.loop.epoch_num = epoch_num
-        self.loop.local_step = first_step
-        sums, counts = {}, {}
-        callbacks.on_epoch_begin(epoch_num - 1)
-        for step in range(first_step, steps_per_epoch):
-            callbacks.on_train_batch_begin(step)
-            self._step_logs = {}
-            returned = self.run_step()
-            logs = pythonify_logs(returned if isinstance(returned, dict) else self._step_logs)
-            self.loop.iterations += 1
-            self.loop.local_step = step + 1
-            for name, value in logs.items():
-                sums[name] = sums.get(name, 0.0) + float(np.mean(value))
-                counts[name] = counts.get(name, 0) + 1
-            callbacks.on_train_batch_end(step, logs)
-            if self.model.stop_training:
-                break
-        epoch_logs = {name: sums[name] / counts[name] for name in sums}
-        callbacks.on_epoch_end(epoch_num - 1, epoch_logs)
-        return epoch_logs
-
-    def _after_train(self, callbacks, logs, failed=False):
-        if not failed:
-            try:
-                callbacks.on_train_end(logs)
-            except StopTraining:
-                pass
-            return
-        try:
-            callbacks.on_train_end(logs)
-        except Exception as error:  # the training error is the one to report
-            warnings.warn(
-                f"kerastower: a callback failed in on_train_end while training "
-                f"was failing: {type(error).__name__}: {error}"
-            )
-
-    def _start_position(self, starting_epoch, steps_per_epoch):
-        """(epoch_num, first local step), and the loop counters, from the
-        checkpoint AutoResume restored in on_train_begin, if any."""
-        state = self.model._resume_state
-        if state is None:
-            return starting_epoch, 0
-        self.loop.iterations = state["global_step"]
-        self.loop.tower_batches = list(state["tower_batches"])
-        if state["steps_per_epoch"] != steps_per_epoch:
-            # Another epoch length: go on with the epoch after the saved one.
-            io_utils.print_msg(
-                f"{type(self).__name__}: the checkpoint was written with "
-                f"steps_per_epoch={state['steps_per_epoch']}; with {steps_per_epoch} "
-                f"now, training goes on at epoch {state['epoch_num'] + 1}, step 0."
-            )
-            return state["epoch_num"] + 1, 0
-        if state["local_step"] < steps_per_epoch:
-            return state["epoch_num"], state["local_step"]
-        return state["epoch_num"] + 1, 0
 
     def _check_optimizers_are_on_the_model(self):
         saved = training_optimizers(self.model)
@@ -384,6 +325,35 @@ class Trainer:
                 f"starting_epoch - 1 = {starting_epoch - 1}; got {max_epoch!r}."
             )
         return int(steps_per_epoch)
+
+
+class _RunSteps(Iteration):
+    """A trainer's iteration: its `run_step()`; epoch logs are the mean of
+    each value the steps logged."""
+
+    def __init__(self, trainer):
+        self.trainer = trainer
+
+    def start(self, skip_batches):
+        trainer = self.trainer
+        if trainer.input is not None:
+            trainer._iterator = iter(trainer.input.distribute(trainer.strategy, skip_batches=skip_batches))
+
+    def before_epoch(self, loop):
+        self.sums, self.counts = {}, {}
+
+    def run(self, num_steps):
+        trainer = self.trainer
+        trainer._step_logs = {}
+        returned = trainer.run_step()
+        logs = _compat.pythonify_logs(returned if isinstance(returned, dict) else trainer._step_logs)
+        for name, value in logs.items():
+            self.sums[name] = self.sums.get(name, 0.0) + float(np.mean(value))
+            self.counts[name] = self.counts.get(name, 0) + 1
+        return 1, logs
+
+    def epoch_logs(self, loop):
+        return {name: self.sums[name] / self.counts[name] for name in self.sums}
 
 
 class _TowerFunction:

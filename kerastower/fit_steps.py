@@ -1,0 +1,122 @@
+"""What an iteration of `TowerModel.fit` is: one call of the compiled tower step.
+
+`MainLoop` (loop.py) runs the epochs and the callbacks; `FitSteps` runs up
+to `steps_per_execution` steps per call on the per-tower input, keeps the
+input position, and adds validation to the epoch's logs.
+"""
+
+import numpy as np
+
+from kerastower import _compat
+from kerastower.callbacks.base import RunHooks
+from kerastower.engine import tf_step
+from kerastower.errors import InputSourceError
+from kerastower.loop import Iteration
+
+__all__ = ["FitSteps"]
+
+
+class FitSteps(Iteration):
+    """fit's iteration over `source`, with optional validation.
+
+    Args:
+        model: the TowerModel.
+        source: the InputSource to train on.
+        callbacks: the run's CallbackList (its kt callbacks see every call
+            of the step function as a hooked run).
+        steps_per_epoch: None makes an epoch one pass over `source`.
+        validation: None, or a dict of `evaluate` arguments plus `freq`.
+        verbose: 0 keeps the total-batch line quiet.
+    """
+
+    def __init__(self, model, source, callbacks, steps_per_epoch, validation=None, verbose=1):
+        self.model = model
+        self.source = source
+        self.callbacks = callbacks
+        self.run_hooks = RunHooks(callbacks)
+        self.steps_per_epoch = steps_per_epoch
+        self.validation = validation
+        self.verbose = verbose
+        self.steps_per_call = model.steps_per_execution
+        self.function = model.make_train_function()
+        self.logs = {}
+        self._announced = False
+
+    def start(self, skip_batches):
+        self.distributed = self.source.distribute(self.model.tower_strategy, skip_batches=skip_batches)
+        self.iterator = iter(self.distributed) if self.steps_per_epoch else None
+
+    def before_epoch(self, loop):
+        self.model.reset_metrics()
+        if not self.steps_per_epoch:  # an epoch is one pass
+            self.iterator = iter(self.distributed)
+            loop.tower_batches = [0] * self.model.num_towers
+        self.loop = loop
+
+    def run(self, num_steps):
+        self.run_hooks.before_run()
+        run = tf_step.run_steps(self.function, self.iterator, num_steps)
+        self.run_hooks.after_run(run.logs)
+        if run.steps:
+            # The step function's logs are the metrics read across towers
+            # (and processes); the model's own read would be this process's.
+            self.logs = run.logs
+            taken = np.asarray(self.loop.tower_batches, np.int64) + run.tower_batches
+            self.loop.tower_batches = taken.tolist()
+            self.loop.examples_seen += run.examples
+            self._announce_total_batch(run.tower_examples)
+        return run.steps, self.logs
+
+    def ended_early(self, loop, step):
+        if self.steps_per_epoch:
+            raise InputSourceError(
+                f"The input ran out after {step} of steps_per_epoch="
+                f"{self.steps_per_epoch} steps in epoch {loop.epoch_num}. With "
+                "steps_per_epoch set, an epoch is only the period at which "
+                "callbacks run and the input must not end: call .repeat() on "
+                "the dataset, or leave steps_per_epoch unset to make an epoch "
+                "one pass over the data."
+            )
+        if step == 0:
+            raise InputSourceError(
+                "The input gave no batch at all: it is empty, or (with "
+                "steps_per_epoch unset) it was a one-shot source already used up."
+            )
+
+    def epoch_logs(self, loop):
+        logs = dict(self.logs)
+        validation = self.validation
+        if validation is not None and _due(loop.epoch_num - 1, validation["freq"]):
+            values = self.model.evaluate(
+                validation["source"],
+                steps=validation["steps"],
+                callbacks=self.callbacks,
+                return_dict=True,
+                _from_fit=True,
+            )
+            logs.update({f"val_{k}": v for k, v in values.items()})
+        return logs
+
+    def finish(self):
+        model = self.model
+        if model.optimizer is not None and hasattr(model.optimizer, "finalize_variable_values"):
+            model.optimizer.finalize_variable_values(model.trainable_weights)
+
+    def _announce_total_batch(self, tower_examples):
+        strategy = self.model.tower_strategy
+        if self._announced or self.verbose == 0 or not strategy.is_chief:
+            return
+        self._announced = True
+        counts = [int(n) for n in np.asarray(tower_examples)]
+        if len(set(counts)) == 1:
+            per_tower = f"{len(counts)} tower(s) x {counts[0]} examples"
+        else:
+            per_tower = f"towers took {', '.join(map(str, counts))} examples"
+        _compat.print_msg(f"kerastower: {per_tower} = total batch {sum(counts)} per step")
+
+
+def _due(epoch, validation_freq):
+    """Keras's rule: validate every `freq` epochs, or in the listed ones."""
+    if isinstance(validation_freq, int):
+        return (epoch + 1) % validation_freq == 0
+    return epoch + 1 in validation_freq

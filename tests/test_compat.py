@@ -1,0 +1,57 @@
+"""Private Keras/TF APIs live in kerastower/_compat.py and fail loudly."""
+
+import os
+import re
+
+import keras
+import pytest
+import tensorflow as tf
+
+import kerastower as kt
+from kerastower import _compat
+
+PACKAGE = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "kerastower")
+
+
+def test_a_missing_private_api_raises_an_error_naming_it_and_the_versions():
+    with pytest.raises(kt.KerasTowerError) as error:
+        _compat.require("keras.src.trainers.data_adapters.data_adapter_utils", "gone_in_keras_9")
+    message = str(error.value)
+    assert "data_adapter_utils.gone_in_keras_9" in message
+    assert keras.__version__ in message and tf.__version__ in message
+
+
+def test_a_missing_private_model_member_raises_instead_of_being_skipped():
+    class NotAKerasModel:
+        pass
+
+    with pytest.raises(kt.KerasTowerError, match="_loss_tracker"):
+        _compat.loss_tracker(NotAKerasModel())
+    with pytest.raises(kt.KerasTowerError, match="_compute_loss"):
+        _compat.compute_loss(NotAKerasModel(), x=None, y=None, y_pred=None)
+
+
+def test_no_module_but_compat_imports_private_keras_or_tensorflow():
+    private = re.compile(r"^\s*(from|import)\s+(keras\.src|tensorflow\.python)", re.M)
+    offenders = []
+    for folder, _, files in os.walk(PACKAGE):
+        for name in files:
+            path = os.path.join(folder, name)
+            if name.endswith(".py") and name != "_compat.py":
+                with open(path) as f:
+                    if private.search(f.read()):
+                        offenders.append(os.path.relpath(path, PACKAGE))
+    assert offenders == []
+
+
+def test_the_patches_leave_keras_unchanged_outside_towers():
+    """Stock Keras under MirroredStrategy still divides its losses by the
+    replicas: kerastower changes them inside its own towers only."""
+    strategy = tf.distribute.MirroredStrategy(["/cpu:0", "/cpu:1"])
+    loss = keras.losses.MeanSquaredError()
+
+    def in_replica():
+        return loss(tf.ones([4, 1]), tf.zeros([4, 1]))
+
+    values = strategy.experimental_local_results(strategy.run(in_replica))
+    assert [float(v) for v in values] == [0.5, 0.5]

@@ -1,0 +1,221 @@
+"""fit and kt.Trainer run one loop: the same hooks in the same order, the
+same counters; kt.Trainer runs without a model; the step engine's edges."""
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import kerastower as kt
+from conftest import TWO
+
+
+class Hooks(kt.callbacks.Callback):
+    """Records every kt hook and every Keras hook, with the loop's counters."""
+
+    def __init__(self, events):
+        super().__init__()
+        self.events = events
+
+    def _log(self, name):
+        self.events.append((name, self.epoch_num, self.local_step, self.global_step))
+
+    def _before_train(self):
+        self._log("before_train")
+
+    def _before_epoch(self):
+        self._log("before_epoch")
+
+    def _before_run(self):
+        self._log("before_run")
+
+    def _after_run(self, outputs):
+        self._log("after_run")
+
+    def _trigger_step(self):
+        self._log("trigger_step")
+
+    def _after_epoch(self):
+        self._log("after_epoch")
+
+    def _trigger_epoch(self):
+        self._log("trigger_epoch")
+
+    def _after_train(self):
+        self._log("after_train")
+
+
+def _keras_recorder(events):
+    return keras.callbacks.LambdaCallback(
+        on_epoch_begin=lambda e, logs: events.append(("keras_epoch_begin", e)),
+        on_train_batch_begin=lambda b, logs: events.append(("keras_batch_begin", b)),
+        on_train_batch_end=lambda b, logs: events.append(("keras_batch_end", b)),
+        on_epoch_end=lambda e, logs: events.append(("keras_epoch_end", e, sorted(logs))),
+        on_train_end=lambda logs: events.append(("keras_train_end",)),
+    )
+
+
+def _fit_events(fail_at=None):
+    events = []
+    with kt.distributed("mirrored", devices=TWO):
+        inputs = keras.Input((2,))
+        model = kt.TowerModel(inputs, keras.layers.Dense(1)(inputs))
+        model.compile(optimizer="sgd", loss="mse")
+        data = tf.data.Dataset.from_tensors((tf.ones([4, 2]), tf.ones([4, 1]))).repeat()
+        model.fit(data, steps_per_epoch=3, epochs=2, verbose=0,
+                  callbacks=[Hooks(events), _keras_recorder(events)])
+    return events
+
+
+class OneStepTrainer(kt.Trainer):
+    def _setup(self):
+        self.value = self.add_variable("value")
+
+    def run_step(self):
+        return self.hooked_run(self.step)
+
+    def step(self):
+        self.value.assign_add(1.0)
+        return {"loss": float(self.value.numpy())}
+
+
+def test_fit_and_trainer_call_the_hooks_in_the_same_order():
+    fit_events = _fit_events()
+    trainer_events = []
+    with kt.distributed("mirrored", devices=TWO):
+        trainer = OneStepTrainer()
+    trainer.train(callbacks=[Hooks(trainer_events), _keras_recorder(trainer_events)],
+                  steps_per_epoch=3, max_epoch=2, verbose=0)
+    assert trainer_events == fit_events
+    # The sequence itself: tensorpack's loop.
+    kt_only = [e for e in fit_events if not e[0].startswith("keras")]
+    expected = [("before_train", 0, 0, 0)]
+    for epoch in (1, 2):
+        expected.append(("before_epoch", epoch, 0, 3 * (epoch - 1)))
+        for step in range(3):
+            done = 3 * (epoch - 1) + step
+            expected += [("before_run", epoch, step, done), ("after_run", epoch, step, done),
+                         ("trigger_step", epoch, step + 1, done + 1)]
+        expected += [("after_epoch", epoch, 3, 3 * epoch), ("trigger_epoch", epoch, 3, 3 * epoch)]
+    expected.append(("after_train", 2, 3, 6))
+    assert kt_only == expected
+
+
+def test_a_trainer_without_a_model_checkpoints_and_resumes_its_state(tmp_path):
+    ckpt = str(tmp_path / "ckpt")
+
+    class Counter(kt.Trainer):
+        def _setup(self):
+            self.count = self.add_variable("count")
+
+        def run_step(self):
+            self.count.assign_add(self.global_step + 1.0)
+            return {"count": float(self.count.numpy())}
+
+    first = Counter()
+    first.train(callbacks=[kt.callbacks.ModelSaver(ckpt)], steps_per_epoch=3, max_epoch=2, verbose=0)
+    assert float(first.count.numpy()) == sum(range(1, 7))
+    resumed = Counter()
+    history = resumed.train(callbacks=[kt.callbacks.AutoResume(ckpt), kt.callbacks.ModelSaver(ckpt)],
+                            steps_per_epoch=3, max_epoch=3, verbose=0)
+    assert resumed.global_step == 9
+    assert float(resumed.count.numpy()) == sum(range(1, 10))
+    assert history.history["count"] == [pytest.approx((28 + 36 + 45) / 3)]
+
+
+def test_a_failing_step_runs_kt_after_train_but_not_keras_on_train_end():
+    events = []
+
+    class Failing(kt.Trainer):
+        def run_step(self):
+            raise RuntimeError("boom")
+
+    with pytest.raises(RuntimeError, match="boom"):
+        Failing().train(callbacks=[Hooks(events), _keras_recorder(events)],
+                        steps_per_epoch=2, verbose=0)
+    assert events[-1][0] == "after_train"
+    assert ("keras_train_end",) not in events
+
+
+def test_a_step_loss_scaling_skips_still_counts_as_a_global_step():
+    towers = kt.distributed("mirrored", devices=TWO)
+    keras.mixed_precision.set_global_policy("mixed_float16")
+    try:
+        with towers:
+            inputs = keras.Input((2,))
+            model = kt.TowerModel(inputs, keras.layers.Dense(1, dtype="float32")(inputs))
+    finally:
+        keras.mixed_precision.set_global_policy("float32")
+    with towers:
+        # A loss scale that overflows float16 gradients: the first steps are
+        # skipped while the scale comes down.
+        model.compile(optimizer=keras.optimizers.LossScaleOptimizer(
+            keras.optimizers.SGD(0.1), initial_scale=2.0**40), loss="mse")
+        model.fit(np.ones((64, 2), "float32") * 100, np.ones((64, 1), "float32"),
+                  batch_size=4, epochs=1, verbose=0)
+    assert model.loop.global_step == 8
+    assert model.optimizer.iterations.numpy() < 8
+
+
+def test_an_unbuilt_second_optimizer_in_a_custom_step_says_how_to_build_it():
+    class TwoOptimizers(kt.TowerModel):
+        def __init__(self):
+            super().__init__()
+            self.a = keras.layers.Dense(1)
+            self.b = keras.layers.Dense(1)
+            self.b_optimizer = keras.optimizers.SGD(0.1)
+
+        def call(self, x):
+            return self.a(x) + self.b(x)
+
+        def train_step(self, data):
+            x, y = data
+            with tf.GradientTape(persistent=True) as tape:
+                loss = tf.reduce_mean((self(x) - y) ** 2)
+            self.optimizer.apply(tape.gradient(loss, self.a.trainable_variables),
+                                 self.a.trainable_variables)
+            self.b_optimizer.apply(tape.gradient(loss, self.b.trainable_variables),
+                                   self.b.trainable_variables)
+            return {}
+
+    with kt.distributed("mirrored", devices=TWO):
+        model = TwoOptimizers()
+        model.compile(optimizer="sgd", loss="mse")
+        x, y = np.ones((16, 2), "float32"), np.ones((16, 1), "float32")
+        with pytest.raises(kt.TowerRuleError, match="Build it before training"):
+            model.fit(x, y, batch_size=4, verbose=0)
+        model.b_optimizer.build(model.b.trainable_variables)
+        before = model.b.kernel.numpy().copy()
+        model.train_function = None
+        model.fit(x, y, batch_size=4, verbose=0)
+        assert np.abs(model.b.kernel.numpy() - before).max() > 1e-4
+
+
+def test_a_variable_some_towers_do_not_use_is_trained_and_an_unused_one_is_left_alone():
+    class TowerDependent(kt.TowerModel):
+        def __init__(self):
+            super().__init__()
+            self.shared = keras.layers.Dense(1)
+            self.tower1_only = keras.layers.Dense(1)
+            self.unused = keras.layers.Dense(1)
+
+        def call(self, x):
+            ctx = kt.get_current_tower_context()
+            out = self.shared(x)
+            if ctx is None or ctx.index == 1:
+                out = out + self.tower1_only(x)
+            if ctx is None:
+                out = out + 0.0 * self.unused(x)
+            return out
+
+    with kt.distributed("mirrored", devices=TWO):
+        model = TowerDependent()
+        # Weight decay would move a variable given a zero gradient.
+        model.compile(optimizer=keras.optimizers.AdamW(0.05, weight_decay=0.5), loss="mse")
+        x, y = np.ones((16, 2), "float32"), np.full((16, 1), 3.0, "float32")
+        model.fit(x, y, batch_size=4, epochs=0, verbose=0)
+        unused = model.unused.kernel.numpy().copy()
+        tower1 = model.tower1_only.kernel.numpy().copy()
+        model.fit(x, y, batch_size=4, epochs=2, verbose=0)
+    assert np.abs(model.tower1_only.kernel.numpy() - tower1).max() > 1e-3
+    np.testing.assert_array_equal(model.unused.kernel.numpy(), unused)
