@@ -19,8 +19,9 @@ from kerastower.errors import KerasTowerError
 
 __all__ = ["TESTED", "require", "install_tower_patches"]
 
-# What pyproject.toml allows; CI runs only the newest pair so far.
-TESTED = "Keras 3.15.1 with TensorFlow 2.21 (allowed: Keras 3.9-3.15, TensorFlow 2.16-2.21)"
+# The pairs CI runs: the newest (all tests) and the oldest pyproject.toml
+# allows (scripts/test-oldest.sh: the equivalence tests).
+TESTED = "Keras 3.15.1 with TensorFlow 2.21, and Keras 3.10.0 with TensorFlow 2.16.2"
 
 
 def _versions():
@@ -260,3 +261,17 @@ def install_tower_patches(apply_in_tower):
     tf_optimizer = require("keras.src.backend.tensorflow.optimizer", "TFOptimizer")
     _patch(tf_optimizer, "_all_reduce_sum_gradients", skip_if_reduced)
     _installed.append(True)
+
+
+def install_stock_fit_check(check):
+    """Calls `check(model)` before stock Keras's `fit` runs a model (not a
+    TowerModel, whose fit is kerastower's)."""
+    trainer = require("keras.src.backend.tensorflow.trainer", "TensorFlowTrainer")
+
+    def checked_fit(original):
+        def fit(self, *args, **kwargs):
+            check(self)
+            return original(self, *args, **kwargs)
+        return fit
+
+    _patch(trainer, "fit", checked_fit)

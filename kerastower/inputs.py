@@ -297,17 +297,32 @@ class _ArrayInput(DatasetInput):
                 "x, y and sample_weight must have the same number of examples; "
                 f"got lengths {sorted(lengths)}."
             )
-        dataset = tf.data.Dataset.from_tensor_slices(element)
-        if shuffle:
-            # An explicit seed (from numpy's generator, which
-            # keras.utils.set_random_seed seeds) makes the order replayable.
-            seed = int(np.random.randint(2**31 - 1))
-            dataset = dataset.shuffle(lengths.pop(), seed=seed, reshuffle_each_iteration=True)
-        dataset = dataset.batch(batch_size)
-        if repeat:
-            dataset = dataset.repeat()
-        super().__init__(dataset)
+        self._element = element
+        self._length = lengths.pop()
+        self._shuffle = shuffle
+        self._repeat = repeat
+        # An explicit seed (from numpy's generator, which
+        # keras.utils.set_random_seed seeds) makes the order replayable.
+        self._seed = int(np.random.randint(2**31 - 1)) if shuffle else None
         self.batch_size = batch_size
+        super().__init__(self._make_dataset())
+
+    def _make_dataset(self):
+        dataset = tf.data.Dataset.from_tensor_slices(self._element)
+        if self._shuffle:
+            dataset = dataset.shuffle(self._length, seed=self._seed, reshuffle_each_iteration=True)
+        dataset = dataset.batch(self.batch_size)
+        return dataset.repeat() if self._repeat else dataset
+
+    def distribute(self, strategy, skip_batches=None):
+        if self._shuffle:
+            # Every process must shuffle alike before taking its shard, or
+            # the shards would overlap: the chief's seed wins.
+            seed = strategy.broadcast_object(self._seed)
+            if seed != self._seed:
+                self._seed = seed
+                self._dataset = self._make_dataset()
+        return super().distribute(strategy, skip_batches=skip_batches)
 
 
 def as_input_source(x, y=None, sample_weight=None, batch_size=None, shuffle=False,
@@ -335,10 +350,11 @@ def as_input_source(x, y=None, sample_weight=None, batch_size=None, shuffle=Fals
     if _is_array(x):
         if batch_size is None:
             batch_size = 32
-        if not isinstance(batch_size, int) or batch_size < 1:
+        if not isinstance(batch_size, (int, np.integer)) or batch_size < 1:
             raise InputSourceError(
                 f"batch_size (per tower) must be a positive int; got {batch_size!r}."
             )
+        batch_size = int(batch_size)
         return _ArrayInput(x, y, sample_weight, batch_size, shuffle, repeat)
     if isinstance(x, tf.distribute.DistributedDataset) or hasattr(
         x, "_input_workers"

@@ -24,6 +24,7 @@ step and runs the tower step (`train_step`, `test_step`, `predict_step`) on it.
 import contextlib
 import inspect
 import warnings
+import weakref
 
 import keras
 import numpy as np
@@ -51,6 +52,33 @@ class _StepCache:
     def __init__(self):
         self.local_weights = None
         self.last_gradients = None
+
+
+_warned_stock_models = weakref.WeakSet()
+
+
+def _warn_stock_fit(model):
+    """A plain keras.Model fitted inside kt.distributed is trained by stock
+    Keras: say so once, and how to get towers."""
+    if isinstance(model, TowerModel) or model in _warned_stock_models:
+        return
+    if not strategies.is_explicit():
+        return
+    strategy = strategies.current_strategy()
+    if strategy.num_towers < 2:
+        return
+    _warned_stock_models.add(model)
+    warnings.warn(
+        f"kerastower: {model.name} is a plain keras.Model, so stock Keras trains it "
+        f"under {strategy}: each batch of batch_size examples is split over the "
+        f"{strategy.num_towers} replicas, with no towers or per-tower batches. To train "
+        "it with kerastower's towers, use kt.TowerModel.wrap(model) (created under the "
+        "same kt.distributed) or build it as a kt.TowerModel.",
+        stacklevel=3,
+    )
+
+
+_compat.install_stock_fit_check(_warn_stock_fit)
 
 
 @keras.saving.register_keras_serializable(package="kerastower")
@@ -308,6 +336,7 @@ class TowerModel(keras.Model):
         ThroughputTracker there, unless `callbacks` has them already.
         """
         _compat.assert_compile_called(self, "fit")
+        check_strategy(self, "fit")
         if validation_split and validation_data is None:
             (x, y, sample_weight), validation_data = _compat.train_validation_split(
                 (x, y, sample_weight), validation_split=validation_split

@@ -14,7 +14,7 @@ def train():
 
 Each worker's devices are towers (worker w's replica i is tower
 w * local_devices + i). A shared `kt.DatasetInput(dataset)` is sharded by
-worker, and the towers of a worker take its successive batches; a per-tower
+worker so that tower k of a step takes the step's k-th batch; a per-tower
 `kt.DatasetInput(fn)` needs one device per worker (TF cannot build one
 pipeline per replica there). Worker 0 is the chief: it writes logs and
 checkpoints. Weights are broadcast from tower 0 when fit starts.
@@ -121,11 +121,20 @@ class MultiWorkerStrategy(TowerStrategy):
                 "worker per device."
             )
 
+        local = self.local_towers
+
         def worker_dataset(context):
             dataset = dataset_fn(context)
             if per_tower:
                 return dataset
-            return dataset.shard(context.num_input_pipelines, context.input_pipeline_id)
+            workers, worker = context.num_input_pipelines, context.input_pipeline_id
+            if local == 1:
+                return dataset.shard(workers, worker)
+            # A worker takes `local` consecutive batches per step, one per
+            # tower, so that towers in index order (worker-major) hold the
+            # step's batches in input order: predict's outputs keep it.
+            grouped = dataset.enumerate().filter(lambda i, _: (i // local) % workers == worker)
+            return grouped.map(lambda _, element: element)
 
         return self.tf_strategy.distribute_datasets_from_function(worker_dataset)
 

@@ -219,3 +219,32 @@ def test_a_variable_some_towers_do_not_use_is_trained_and_an_unused_one_is_left_
         model.fit(x, y, batch_size=4, epochs=2, verbose=0)
     assert np.abs(model.tower1_only.kernel.numpy() - tower1).max() > 1e-3
     np.testing.assert_array_equal(model.unused.kernel.numpy(), unused)
+
+
+def test_run_eagerly_evaluate_with_an_idle_tower_is_exact():
+    from conftest import id_data, mlp
+
+    x, y = id_data(40)  # batch 16 on 2 towers: the second step has one idle tower
+    with kt.distributed("mirrored", devices=TWO):
+        two = mlp(run_eagerly=True)
+        logs = two.evaluate(x, y, batch_size=16, verbose=0, return_dict=True)
+    one = mlp()
+    one.set_weights(two.get_weights())
+    expected = one.evaluate(x, y, batch_size=40, verbose=0, return_dict=True)
+    for key in ("loss", "accuracy"):
+        assert logs[key] == pytest.approx(expected[key], abs=1e-6)
+
+
+def test_a_plain_keras_model_fitted_inside_kt_distributed_warns_once():
+    x, y = np.ones((16, 2), "float32"), np.ones((16, 1), "float32")
+    with kt.distributed("mirrored", devices=TWO):
+        inputs = keras.Input((2,))
+        plain = keras.Model(inputs, keras.layers.Dense(1)(inputs))
+        plain.compile(optimizer="sgd", loss="mse")
+        with pytest.warns(UserWarning, match=r"plain keras.Model.*TowerModel.wrap"):
+            plain.fit(x, y, batch_size=8, verbose=0)
+        import warnings
+
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", UserWarning)
+            plain.fit(x, y, batch_size=8, verbose=0)  # once per model

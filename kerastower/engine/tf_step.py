@@ -297,6 +297,9 @@ def make_step_function(model, tower_step, mode):
                 outputs = tower_step(data)
         if mode != "predict":
             _warn_unlogged_outputs(outputs, metric_keys, step_name)
+            # The logs are the metrics read across towers, not these outputs
+            # (which an idle tower does not have).
+            outputs = None
         return outputs, examples
 
     def run_towers(data):

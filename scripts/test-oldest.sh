@@ -1,0 +1,28 @@
+#!/usr/bin/env bash
+# Runs the equivalence tests on the oldest Keras / TensorFlow pair kerastower
+# supports (pyproject.toml's lower bounds), in a virtual environment of its
+# own, cached so that later runs take seconds to set up.
+#
+#   bash scripts/test-oldest.sh
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+TF=2.16.2
+KERAS=3.10.0
+PYTHON=${PYTHON:-python}
+py_tag=$("$PYTHON" -c "import sys; print(f'cp{sys.version_info[0]}{sys.version_info[1]}')")
+venv=${KERASTOWER_CACHE:-${XDG_CACHE_HOME:-$HOME/.cache}/kerastower}/venv-tf$TF-keras$KERAS-$py_tag
+
+say() { echo "test-oldest: $*"; }
+
+if [ ! -f "$venv/.ready" ]; then
+  say "making $venv (TensorFlow $TF, Keras $KERAS); this downloads about 250 MB once."
+  rm -rf "$venv"
+  "$PYTHON" -m venv "$venv"
+  "$venv/bin/pip" install -q "tensorflow-cpu==$TF" "keras==$KERAS" pytest scikit-learn
+  touch "$venv/.ready"
+fi
+"$venv/bin/pip" install -q --no-deps -e .
+say "$("$venv/bin/python" -c 'import keras, tensorflow as tf; print(f"Keras {keras.__version__}, TensorFlow {tf.__version__}")')"
+"$venv/bin/python" -m pytest -q -p no:cacheprovider \
+  tests/test_equivalence_matrix.py tests/test_equivalence.py tests/test_one_engine.py
