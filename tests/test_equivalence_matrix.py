@@ -1,276 +1,35 @@
 """The promise, as a differential matrix: 2 towers x B examples train exactly
 like one device on the joined 2B batch, for the models Keras users write.
 
-Each case builds the same model twice (same initial weights), trains it on
-one device with batch 2B and on 2 mirrored towers with batch B over the same
-arrays (tower k takes the k-th next batch, so a step's towers hold the same
-2B examples as the one-device batch), and compares the weights and every
-logged value.
+Each case (tests/equivalence_cases.py) builds the same model twice (same
+initial weights), trains it on one device with batch 2B and on 2 mirrored
+towers with batch B over the same arrays (tower k takes the k-th next batch,
+so a step's towers hold the same 2B examples as the one-device batch), and
+compares the weights and every logged value.
 """
 
-import keras
 import numpy as np
 import pytest
-import tensorflow as tf
-from keras import ops
 
 import kerastower as kt
 from conftest import TWO
-
-B = 8
-STEPS = 3
-N = 2 * B * STEPS
-
-OPTIMIZERS = {
-    "sgd": lambda: keras.optimizers.SGD(0.3),
-    "adam": lambda: keras.optimizers.Adam(0.03),
-    "clipnorm": lambda: keras.optimizers.SGD(0.3, clipnorm=0.05),
-}
-
-SCCE = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
-
-
-def _features(seed=0, n=N, d=6):
-    rng = np.random.default_rng(seed)
-    x = rng.normal(size=(n, d)).astype("float32")
-    y = rng.integers(0, 3, n).astype("int32")
-    return x, y
-
-
-# ---------------------------------------------------------------------------
-# The models. Each case: build(optimizer) -> compiled model; data() -> fit kwargs.
-
-
-def _mlp_layers(inputs, **dense_kwargs):
-    h = keras.layers.Dense(8, activation="tanh", **dense_kwargs)(inputs)
-    return keras.layers.Dense(3)(h)
-
-
-def dense_build(optimizer):
-    inputs = keras.Input((6,))
-    model = kt.TowerModel(inputs, _mlp_layers(inputs))
-    model.compile(optimizer=optimizer, loss=SCCE, metrics=["accuracy"])
-    return model
-
-
-def sync_batchnorm_build(optimizer):
-    inputs = keras.Input((6,))
-    # No bias before BatchNormalization: its true gradient is 0, and Adam
-    # would blow the float noise in it up to full-size steps.
-    h = keras.layers.Dense(8, use_bias=False)(inputs)
-    h = keras.layers.BatchNormalization(synchronized=True)(h)
-    model = kt.TowerModel(inputs, keras.layers.Dense(3)(keras.layers.Activation("relu")(h)))
-    model.compile(optimizer=optimizer, loss=SCCE, metrics=["accuracy"])
-    return model
-
-
-def embedding_build(optimizer):
-    inputs = keras.Input((5,), dtype="int32")
-    h = keras.layers.Embedding(12, 4)(inputs)
-    h = keras.layers.GlobalAveragePooling1D()(h)
-    model = kt.TowerModel(inputs, keras.layers.Dense(3)(h))
-    model.compile(optimizer=optimizer, loss=SCCE, metrics=["accuracy"])
-    return model
-
-
-def embedding_data():
-    rng = np.random.default_rng(1)
-    # Few tokens, many repeats: sparse gradients with duplicate indices.
-    x = rng.integers(0, 12, (N, 5)).astype("int32")
-    y = rng.integers(0, 3, N).astype("int32")
-    return {"x": x, "y": y}
-
-
-def multi_output_build(optimizer):
-    inputs = keras.Input((6,))
-    h = keras.layers.Dense(8, activation="tanh")(inputs)
-    outputs = {"a": keras.layers.Dense(1, name="a")(h), "b": keras.layers.Dense(3, name="b")(h)}
-    model = kt.TowerModel(inputs, outputs)
-    model.compile(
-        optimizer=optimizer,
-        loss={"a": "mse", "b": SCCE},
-        loss_weights={"a": 0.3, "b": 1.0},
-        metrics={"b": ["accuracy"]},
-    )
-    return model
-
-
-def multi_output_data():
-    x, y = _features(2)
-    return {"x": x, "y": {"a": x[:, :1] * 2.0, "b": y}}
-
-
-class ComputeLossModel(kt.TowerModel):
-    """compute_loss overridden the keras.io way, with its own tracker."""
-
-    def __init__(self, **kwargs):
-        super().__init__(**kwargs)
-        self.hidden = keras.layers.Dense(8, activation="tanh")
-        self.out = keras.layers.Dense(1)
-        self.loss_tracker = keras.metrics.Mean(name="loss")
-
-    def call(self, x):
-        return self.out(self.hidden(x))
-
-    def compute_loss(self, x=None, y=None, y_pred=None, sample_weight=None, training=True):
-        loss = ops.mean((y_pred - y) ** 2)
-        self.loss_tracker.update_state(loss)
-        return loss
-
-    @property
-    def metrics(self):
-        return [self.loss_tracker]
-
-
-def compute_loss_build(optimizer):
-    model = ComputeLossModel()
-    model.compile(optimizer=optimizer)
-    return model
-
-
-def regression_data():
-    x, _ = _features(3)
-    return {"x": x, "y": np.tanh(x[:, :1] - x[:, 1:2]).astype("float32")}
-
-
-class KerasIoTrainStep(kt.TowerModel):
-    """The custom train_step of keras.io's "Customizing what happens in
-    fit()" (TensorFlow backend), with a Keras loss object and trackers."""
-
-    def __init__(self, **kwargs):
-        super().__init__(**kwargs)
-        self.hidden = keras.layers.Dense(8, activation="tanh")
-        self.out = keras.layers.Dense(3)
-        self.loss_tracker = keras.metrics.Mean(name="loss")
-        self.acc = keras.metrics.SparseCategoricalAccuracy(name="accuracy")
-        self.loss_fn = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
-
-    def call(self, x):
-        return self.out(self.hidden(x))
-
-    def train_step(self, data):
-        x, y = data
-        with tf.GradientTape() as tape:
-            y_pred = self(x, training=True)
-            loss = self.loss_fn(y, y_pred)
-        trainable_vars = self.trainable_variables
-        gradients = tape.gradient(loss, trainable_vars)
-        self.optimizer.apply(gradients, trainable_vars)
-        self.loss_tracker.update_state(loss)
-        self.acc.update_state(y, y_pred)
-        return {"loss": self.loss_tracker.result(), "accuracy": self.acc.result()}
-
-    @property
-    def metrics(self):
-        return [self.loss_tracker, self.acc]
-
-
-def keras_io_build(optimizer):
-    model = KerasIoTrainStep()
-    model.compile(optimizer=optimizer)
-    return model
-
-
-def masked_build(optimizer):
-    inputs = keras.Input((6,), dtype="int32")
-    h = keras.layers.Embedding(10, 4, mask_zero=True)(inputs)
-    outputs = keras.layers.Dense(3)(h)  # one prediction per token, masked
-    model = kt.TowerModel(inputs, outputs)
-    model.compile(optimizer=optimizer, loss=SCCE)
-    return model
-
-
-def masked_data():
-    """Sequences padded with 0. Every tower batch holds the same number of
-    real tokens: the case the docs promise exact (a masked loss is each
-    tower's mean over its tokens)."""
-    rng = np.random.default_rng(4)
-    x = rng.integers(1, 10, (N, 6)).astype("int32")
-    lengths = np.tile(np.array([6, 2, 5, 3, 4, 4, 1, 5]), N // 8)
-    for row, length in enumerate(lengths):
-        x[row, length:] = 0
-    y = rng.integers(0, 3, (N, 6)).astype("int32")
-    return {"x": x, "y": y}
-
-
-def sample_weight_data():
-    x, y = _features(5)
-    weights = np.random.default_rng(5).uniform(0.1, 2.0, N).astype("float32")
-    return {"x": x, "y": y, "sample_weight": weights}
-
-
-def class_weight_data():
-    x, y = _features(6)
-    return {"x": x, "y": y, "class_weight": {0: 0.5, 1: 2.0, 2: 1.0}}
-
-
-def regularized_build(optimizer):
-    inputs = keras.Input((6,))
-    outputs = _mlp_layers(inputs, kernel_regularizer=keras.regularizers.L2(0.05))
-    model = kt.TowerModel(inputs, outputs)
-    model.compile(optimizer=optimizer, loss=SCCE, metrics=["accuracy"])
-    return model
-
-
-def features_data():
-    x, y = _features(7)
-    return {"x": x, "y": y, "validation_data": _features(8, n=20)}
-
-
-def mixed_float16_build(optimizer):
-    keras.mixed_precision.set_global_policy("mixed_float16")
-    try:
-        return dense_build(optimizer)
-    finally:
-        keras.mixed_precision.set_global_policy("float32")
-
-
-CASES = {
-    "dense": (dense_build, features_data),
-    "sync_batchnorm": (sync_batchnorm_build, lambda: dict(zip("xy", _features(9)))),
-    "embedding": (embedding_build, embedding_data),
-    "multi_output": (multi_output_build, multi_output_data),
-    "compute_loss": (compute_loss_build, regression_data),
-    "keras_io_train_step": (keras_io_build, lambda: dict(zip("xy", _features(10)))),
-    "masked_sequence": (masked_build, masked_data),
-    "sample_weight": (dense_build, sample_weight_data),
-    "class_weight": (dense_build, class_weight_data),
-    "kernel_regularizer": (regularized_build, lambda: dict(zip("xy", _features(11)))),
-    "mixed_float16": (mixed_float16_build, lambda: dict(zip("xy", _features(12)))),
-}
-TOLERANCE = {"mixed_float16": 1e-3}
-
-
-def _train(build, data, optimizer_name, towers, initial_weights):
-    strategy = kt.distributed("mirrored", devices=TWO) if towers == 2 else kt.distributed("single")
-    fit_kwargs = dict(data)
-    x, y = fit_kwargs.pop("x"), fit_kwargs.pop("y")
-    batch_size = B if towers == 2 else 2 * B
-    with strategy:
-        model = build(OPTIMIZERS[optimizer_name]())
-        model.fit(x, y, batch_size=batch_size, epochs=0, verbose=0)  # creates the variables
-        model.set_weights(initial_weights)
-        history = model.fit(x, y, batch_size=batch_size, epochs=2, shuffle=False, verbose=0,
-                            **fit_kwargs)
-        return model, history.history
-
-
-def _initial_weights(build, data):
-    keras.utils.set_random_seed(0)
-    with kt.distributed("single"):
-        model = build(OPTIMIZERS["sgd"]())
-        model.fit(data["x"], data["y"], batch_size=2 * B, epochs=0, verbose=0)
-        return model.get_weights()
+from equivalence_cases import B
+from equivalence_cases import CASES
+from equivalence_cases import OPTIMIZERS
+from equivalence_cases import STEPS
+from equivalence_cases import TOLERANCE
+from equivalence_cases import fit_case
+from equivalence_cases import initial_weights
 
 
 @pytest.mark.parametrize("optimizer_name", sorted(OPTIMIZERS))
 @pytest.mark.parametrize("case", sorted(CASES))
 def test_two_towers_equal_one_device(case, optimizer_name):
-    build, make_data = CASES[case]
-    data = make_data()
-    initial = _initial_weights(build, data)
-    one, one_logs = _train(build, data, optimizer_name, 1, initial)
-    two, two_logs = _train(build, data, optimizer_name, 2, initial)
+    initial = initial_weights(case)
+    with kt.distributed("single"):
+        one, one_logs = fit_case(case, optimizer_name, 2 * B, initial)
+    with kt.distributed("mirrored", devices=TWO):
+        two, two_logs = fit_case(case, optimizer_name, B, initial)
     moved = max(float(np.abs(a - w).max()) for a, w in zip(one.get_weights(), initial))
     assert moved > 1e-3, "training must move the weights for the comparison to mean anything"
     assert one.optimizer.iterations.numpy() == two.optimizer.iterations.numpy() == 2 * STEPS
