@@ -13,6 +13,7 @@ def train():
 
 from kerastower import callbacks
 from kerastower import checkpoint
+from kerastower import functional as _functional  # registers the saved-model classes
 from kerastower.errors import InputSourceError
 from kerastower.errors import KerasTowerError
 from kerastower.errors import PeerFailureError

@@ -21,10 +21,7 @@ per-tower iterator; `_make_step_function` below pulls one batch per tower per
 step and runs the tower step (`train_step`, `test_step`, `predict_step`) on it.
 """
 
-import contextlib
-import inspect
 import warnings
-import weakref
 
 import keras
 import numpy as np
@@ -32,9 +29,9 @@ import tensorflow as tf
 
 from kerastower import _compat
 from kerastower import strategies
+from kerastower import inference_loops
 from kerastower.engine import tf_step
 from kerastower.errors import InputSourceError
-from kerastower.errors import StrategyError
 from kerastower.errors import TowerRuleError
 from kerastower.inputs import as_input_source
 from kerastower.fit_steps import FitSteps
@@ -52,33 +49,6 @@ class _StepCache:
     def __init__(self):
         self.local_weights = None
         self.last_gradients = None
-
-
-_warned_stock_models = weakref.WeakSet()
-
-
-def _warn_stock_fit(model):
-    """A plain keras.Model fitted inside kt.distributed is trained by stock
-    Keras: say so once, and how to get towers."""
-    if isinstance(model, TowerModel) or model in _warned_stock_models:
-        return
-    if not strategies.is_explicit():
-        return
-    strategy = strategies.current_strategy()
-    if strategy.num_towers < 2:
-        return
-    _warned_stock_models.add(model)
-    warnings.warn(
-        f"kerastower: {model.name} is a plain keras.Model, so stock Keras trains it "
-        f"under {strategy}: each batch of batch_size examples is split over the "
-        f"{strategy.num_towers} replicas, with no towers or per-tower batches. To train "
-        "it with kerastower's towers, use kt.TowerModel.wrap(model) (created under the "
-        "same kt.distributed) or build it as a kt.TowerModel.",
-        stacklevel=3,
-    )
-
-
-_compat.install_stock_fit_check(_warn_stock_fit)
 
 
 @keras.saving.register_keras_serializable(package="kerastower")
@@ -110,10 +80,12 @@ class TowerModel(keras.Model):
         # the class, made once, avoids that.
         if (
             _compat.functional_init_arguments(args, kwargs)
-            and _init_takes_inputs_outputs(cls)
             and not issubclass(cls, _compat.functional_class())
         ):
-            return super().__new__(_functional_twin(cls))
+            from kerastower import functional
+
+            if functional.init_takes_inputs_outputs(cls):
+                return super().__new__(functional.functional_twin(cls))
         return super().__new__(cls)
 
     def __init__(self, *args, **kwargs):
@@ -152,6 +124,8 @@ class TowerModel(keras.Model):
             inputs = outputs = None
         if inputs and outputs:
             return cls(inputs=inputs, outputs=outputs, name=f"tower_{model.name}")
+        from kerastower.functional import WrappedTowerModel
+
         return WrappedTowerModel(model)
 
     @property
@@ -415,25 +389,7 @@ class TowerModel(keras.Model):
                 steps=steps or source.steps(self.num_towers),
                 model=self,
             )
-        test_function = self.make_test_function()
-        iterator = iter(source.distribute(self._tower_strategy))
-        self.stop_evaluating = False
-        callbacks.on_test_begin()
-        self.reset_metrics()
-        logs, step = {}, 0
-        while not steps or step < steps:
-            want = self.steps_per_execution if not steps else min(self.steps_per_execution, steps - step)
-            callbacks.on_test_batch_begin(step)
-            run = tf_step.run_steps(test_function, iterator, want)
-            ran = run.steps
-            if ran:
-                logs = run.logs
-                step += ran
-                callbacks.on_test_batch_end(step - 1, logs)
-            if ran < want or self.stop_evaluating:
-                break
-        logs = _compat.pythonify_logs(logs)
-        callbacks.on_test_end(logs)
+        logs = inference_loops.evaluate_loop(self, source, steps, callbacks)
         if return_dict:
             return logs
         return _compat.flatten_metrics_in_order(self, logs)
@@ -456,28 +412,7 @@ class TowerModel(keras.Model):
                 steps=steps or source.steps(self.num_towers),
                 model=self,
             )
-        predict_function = self.make_predict_function()
-        iterator = iter(source.distribute(self._tower_strategy))
-        self.stop_predicting = False
-        callbacks.on_predict_begin()
-        batches, step = [], 0
-        while not steps or step < steps:
-            callbacks.on_predict_batch_begin(step)
-            has_data, next_batches = self._tower_strategy.next_step(iterator)
-            if not bool(has_data):  # no tower has data left
-                break
-            outputs = predict_function(next_batches())
-            batches.append(outputs)
-            callbacks.on_predict_batch_end(step, {"outputs": outputs})
-            step += 1
-            if self.stop_predicting:
-                break
-        callbacks.on_predict_end()
-        if not batches:
-            raise InputSourceError("predict() got no batch: the input is empty.")
-        return tf.nest.map_structure(
-            lambda *parts: np.concatenate([np.asarray(p) for p in parts], axis=0), *batches
-        )
+        return inference_loops.predict_loop(self, source, steps, callbacks)
 
     def _no_single_batch(self, method, instead):
         raise NotImplementedError(
@@ -494,43 +429,3 @@ class TowerModel(keras.Model):
 
     def predict_on_batch(self, *args, **kwargs):
         self._no_single_batch("predict_on_batch", "predict(...)")
-
-
-@keras.saving.register_keras_serializable(package="kerastower")
-class FunctionalTowerModel(TowerModel, _compat.functional_class()):
-    """What `kt.TowerModel(inputs, outputs)` makes: a functional TowerModel."""
-
-
-_FUNCTIONAL_TWINS = {TowerModel: FunctionalTowerModel}
-
-
-def _init_takes_inputs_outputs(cls):
-    """Whether `cls(a, b)` means `(inputs, outputs)`: its `__init__` is
-    TowerModel's or starts with those parameters (a subclass taking, say,
-    a generator and a discriminator is not functional)."""
-    if cls.__init__ is TowerModel.__init__:
-        return True
-    params = list(inspect.signature(cls.__init__).parameters.values())[1:3]
-    passes_through = (inspect.Parameter.VAR_POSITIONAL, inspect.Parameter.VAR_KEYWORD)
-    if params and params[0].kind in passes_through:
-        return True
-    return [p.name for p in params] == ["inputs", "outputs"]
-
-
-def _functional_twin(cls):
-    """`cls` with Functional mixed in, for `cls(inputs, outputs)`."""
-    if cls not in _FUNCTIONAL_TWINS:
-        _FUNCTIONAL_TWINS[cls] = type(cls.__name__, (cls, _compat.functional_class()), {"__module__": cls.__module__})
-    return _FUNCTIONAL_TWINS[cls]
-
-
-@keras.saving.register_keras_serializable(package="kerastower")
-class WrappedTowerModel(TowerModel):
-    """A TowerModel calling another, non-functional Keras model."""
-
-    def __init__(self, model, **kwargs):
-        super().__init__(name=kwargs.pop("name", f"tower_{model.name}"), **kwargs)
-        self.inner = model
-
-    def call(self, inputs, training=None):
-        return self.inner(inputs, training=training)

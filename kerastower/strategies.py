@@ -20,6 +20,8 @@ New engines (Horovod, multi-worker) register themselves with
 
 import functools
 import threading
+import warnings
+import weakref
 
 import keras
 import tensorflow as tf
@@ -59,6 +61,31 @@ def training_state(model):
     for optimizer in training_optimizers(model):
         variables += list(optimizer.variables)
     return variables
+
+
+_warned_stock_models = weakref.WeakSet()
+
+
+def _warn_stock_fit(model):
+    """A plain keras.Model fitted inside kt.distributed is trained by stock
+    Keras: say so once, and how to get towers."""
+    if hasattr(model, "tower_strategy") or model in _warned_stock_models:
+        return  # a TowerModel
+    if not is_explicit() or current_strategy().num_towers < 2:
+        return
+    strategy = current_strategy()
+    _warned_stock_models.add(model)
+    warnings.warn(
+        f"kerastower: {model.name} is a plain keras.Model, so stock Keras trains it "
+        f"under {strategy}: each batch of batch_size examples is split over the "
+        f"{strategy.num_towers} replicas, with no towers or per-tower batches. To train "
+        "it with kerastower's towers, use kt.TowerModel.wrap(model) (created under the "
+        "same kt.distributed) or build it as a kt.TowerModel.",
+        stacklevel=3,
+    )
+
+
+_compat.install_stock_fit_check(_warn_stock_fit)
 
 
 class TowerStrategy:

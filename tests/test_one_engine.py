@@ -8,41 +8,14 @@ import tensorflow as tf
 
 import kerastower as kt
 from conftest import TWO
+from test_trainers import EventLog
 
 
-class Hooks(kt.callbacks.Callback):
-    """Records every kt hook and every Keras hook, with the loop's counters."""
-
-    def __init__(self, events):
-        super().__init__()
-        self.events = events
-
-    def _log(self, name):
-        self.events.append((name, self.epoch_num, self.local_step, self.global_step))
-
-    def _before_train(self):
-        self._log("before_train")
-
-    def _before_epoch(self):
-        self._log("before_epoch")
-
-    def _before_run(self):
-        self._log("before_run")
+class Hooks(EventLog):
+    """test_trainers' recorder of every kt hook, for any step's outputs."""
 
     def _after_run(self, outputs):
         self._log("after_run")
-
-    def _trigger_step(self):
-        self._log("trigger_step")
-
-    def _after_epoch(self):
-        self._log("after_epoch")
-
-    def _trigger_epoch(self):
-        self._log("trigger_epoch")
-
-    def _after_train(self):
-        self._log("after_train")
 
 
 def _keras_recorder(events):

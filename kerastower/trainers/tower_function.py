@@ -1,0 +1,113 @@
+"""`kt.Trainer.tower_function`: a data-parallel step, run once per tower.
+
+The decorated function runs once per tower, under the tower's
+`TowerContext` and the tower rules, compiled with `tf.function`, and its
+dict of results is reduced over towers (weighted mean, sum, or a list).
+"""
+
+import functools
+
+import tensorflow as tf
+
+from kerastower.errors import KerasTowerError
+from kerastower.model import TowerModel
+
+__all__ = ["TowerFunction"]
+
+
+class TowerFunction:
+    """What `Trainer.tower_function` makes; a descriptor, so that it also
+    decorates methods (each instance gets its own compiled function)."""
+
+    def __init__(self, fn, reduce, training, owner=None):
+        functools.update_wrapper(self, fn)
+        self.fn = fn
+        self.reduce = reduce
+        self.training = training
+        # A bound method of a trainer or model knows whose strategy runs it.
+        self.owner = owner if owner is not None else getattr(fn, "__self__", None)
+        self._compiled = None
+
+    def __get__(self, instance, owner_class=None):
+        if instance is None:
+            return self
+        # One compiled function per instance and per definition: a subclass
+        # overriding a tower function can still call super()'s.
+        bound_functions = instance.__dict__.setdefault("_kerastower_tower_functions", {})
+        bound = bound_functions.get(id(self))
+        if bound is None:
+            bound = TowerFunction(
+                functools.partial(self.fn, instance), self.reduce, self.training, owner=instance
+            )
+            bound.__name__ = getattr(self.fn, "__name__", "tower_function")
+            bound.__qualname__ = getattr(self.fn, "__qualname__", bound.__name__)
+            bound_functions[id(self)] = bound
+        return bound
+
+    def _model(self):
+        owner = self.owner
+        model = owner if isinstance(owner, TowerModel) else getattr(owner, "model", None)
+        if not isinstance(model, TowerModel):
+            raise KerasTowerError(
+                f"tower_function {self.__name__!r} cannot find the kt.TowerModel "
+                "whose strategy runs it: decorate a method of a kt.Trainer or of "
+                "a kt.TowerModel."
+            )
+        return model
+
+    def __call__(self, *args):
+        if self._compiled is None:
+            self._compiled = self._make(self._model())
+        return self._compiled(*args)
+
+    def _make(self, model):
+        strategy = model.tower_strategy
+        reduce = self.reduce
+        name = getattr(self, "__qualname__", self.__name__)
+
+        def in_tower(*args):
+            examples = _batch_size(args[0]) if args else None
+            with model.tower_scope(self.training, name, examples=examples):
+                outputs = self.fn(*args)
+            if not isinstance(outputs, dict):
+                raise KerasTowerError(
+                    f"tower_function {name!r} must return a dict of values to "
+                    f"reduce over towers; got {type(outputs).__name__}."
+                )
+            if reduce != "mean":
+                return outputs, tf.constant(1.0, tf.float64)
+            if args and examples is None:
+                raise KerasTowerError(
+                    f"tower_function {name!r} with reduce=\"mean\" weights each tower's "
+                    "values by the batch size of its first argument, which is not a batch "
+                    f"(got {args[0]!r}). Pass the tower's batch first, or use "
+                    "reduce=\"sum\" or None."
+                )
+            weight = tf.cast(1 if examples is None else examples, tf.float64)
+            return {k: tf.cast(v, tf.float64) * weight for k, v in outputs.items()}, weight
+
+        def run(*args):
+            outputs, weights = strategy.run(in_tower, args=args)
+            if reduce is None:
+                return {k: strategy.tower_values(v) for k, v in outputs.items()}
+            sums = {k: strategy.sum_over_towers(v) for k, v in outputs.items()}
+            if reduce == "mean":
+                total = strategy.sum_over_towers(weights)
+                sums = {k: tf.math.divide_no_nan(v, total) for k, v in sums.items()}
+            return sums
+
+        if model.run_eagerly:
+            return run
+        return tf.function(run, reduce_retracing=True)
+
+
+def _batch_size(batch):
+    """The number of examples in a tower's batch, or None when it is not one."""
+    first = next((t for t in tf.nest.flatten(batch) if t is not None), None)
+    try:
+        tensor = tf.convert_to_tensor(first)
+    except (TypeError, ValueError):
+        return None
+    if tensor.shape.rank == 0:
+        return None
+    return tf.shape(tensor)[0]
