@@ -1,9 +1,10 @@
 """Runs under `horovodrun -np 2 -H localhost:2 --gloo`; used by test_horovod.
 
-    python horovod_script.py OUT_DIR train    # equivalence, writers, resume
+    python horovod_script.py OUT_DIR train    # equivalence, writers, resume, inference
     python horovod_script.py OUT_DIR die      # rank 1 dies mid-training
 """
 
+import faulthandler
 import json
 import os
 import sys
@@ -153,6 +154,9 @@ def train(out):
 
         # 4. kt.Trainer runs (a GAN, k-means) are data-parallel over ranks too.
         np.savez(os.path.join(out, f"trainer_weights_rank{rank}.npz"), *run_trainers(B))
+
+        # 5. An InferenceRunner runs on every rank, with the same results.
+        results["inference"] = fit_with_inference_runner(out, rank)
     with open(os.path.join(out, f"results_rank{rank}.json"), "w") as f:
         json.dump(results, f)
 
@@ -168,6 +172,41 @@ def die(out):
                     os._exit(3)
 
         model.fit(endless(), steps_per_epoch=1000, epochs=1, verbose=0, callbacks=[Die()])
+
+
+VALIDATION = 37  # odd: the ranks take different numbers of examples
+
+
+def fit_with_inference_runner(out, rank):
+    """fit with an InferenceRunner on every rank: its evaluation and sums are
+    collective, so a rank without it would leave the others waiting forever.
+    Returns the validation results in the history."""
+    x, y = data()
+    model = build()
+    runner = kt.callbacks.InferenceRunner(
+        (x[:VALIDATION], y[:VALIDATION]),
+        [kt.callbacks.ScalarStats(["loss", "accuracy"]), kt.callbacks.ClassificationError()],
+        batch_size=5)
+    faulthandler.dump_traceback_later(int(os.environ.get("KT_WATCHDOG", 120)), exit=True)  # a hang fails the job, with tracebacks
+    try:
+        history = model.fit(endless(), steps_per_epoch=2, epochs=2, verbose=0, callbacks=[runner])
+    finally:
+        faulthandler.cancel_dump_traceback_later()
+    np.savez(os.path.join(out, f"inference_weights_rank{rank}.npz"), *model.get_weights())
+    return {key: values for key, values in history.history.items() if key.startswith("val_")}
+
+
+def assert_inference_equals_one_process(weights_file, inference):
+    """The last validation results equal one process evaluating the final
+    weights on the whole validation set in one batch."""
+    saved = np.load(weights_file)
+    model = build([saved[key] for key in saved.files])
+    x, y = data()
+    one = model.evaluate(x[:VALIDATION], y[:VALIDATION], batch_size=VALIDATION, verbose=0,
+                         return_dict=True)
+    np.testing.assert_allclose(inference["val_loss"][-1], one["loss"], atol=1e-5)
+    np.testing.assert_allclose(inference["val_accuracy"][-1], one["accuracy"], atol=1e-6)
+    np.testing.assert_allclose(inference["val_error"][-1], 1 - one["accuracy"], atol=1e-6)
 
 
 if __name__ == "__main__":

@@ -101,9 +101,31 @@ def test_enable_callback_if(two_towers):
     recording = Recording()
     late = kt.callbacks.EnableCallbackIf(recording, lambda cb: cb.epoch_num >= 3)
     model.fit(_repeating(), steps_per_epoch=2, epochs=3, verbose=0, callbacks=[late])
-    assert {c[1] for c in recording.calls} == {3}
-    assert [c[0] for c in recording.calls] == [
+    # As in tensorpack, set-up and tear-down run whatever pred says; the
+    # hooks of epochs, steps and runs only while it is true.
+    assert recording.calls[0] == ("before_train", 0, 0, 0)
+    assert {c[1] for c in recording.calls[1:]} == {3}
+    assert [c[0] for c in recording.calls[1:]] == [
         "before_epoch", "trigger_step", "trigger_step", "after_epoch", "trigger", "after_train"]
+
+
+def test_template_methods_read_and_extend_the_logs_of_the_running_hook(two_towers):
+    class Doubler(kt.callbacks.Callback):
+        def __init__(self):
+            super().__init__()
+            self.step_keys = []
+
+        def _trigger_step(self):
+            self.step_keys.append(sorted(self.logs))
+
+        def _trigger(self):  # at the epoch end: the epoch logs, seen by later callbacks
+            self.logs["twice_loss"] = 2 * self.logs["loss"]
+
+    model = mlp()
+    doubler = Doubler()
+    history = model.fit(_repeating(), steps_per_epoch=2, epochs=2, verbose=0, callbacks=[doubler])
+    assert doubler.step_keys == [["accuracy", "loss"]] * 4
+    assert history.history["twice_loss"] == pytest.approx([2 * v for v in history.history["loss"]])
 
 
 def test_keras_and_kerastower_callbacks_mix_in_one_list(two_towers):
@@ -124,8 +146,8 @@ def test_triggers_reject_bad_arguments():
         kt.callbacks.PeriodicTrigger(Recording(), every_k_steps=0)
     with pytest.raises(ValueError, match="needs every_k_steps or every_k_epochs"):
         kt.callbacks.PeriodicTrigger(Recording())
-    with pytest.raises(TypeError, match="wraps a kt.callbacks.Callback; got EarlyStopping"):
-        kt.callbacks.PeriodicTrigger(keras.callbacks.EarlyStopping(), every_k_epochs=1)
+    with pytest.raises(TypeError, match="wraps a kt.callbacks.Callback or a keras.callbacks.Callback; got str"):
+        kt.callbacks.PeriodicTrigger("ModelSaver", every_k_epochs=1)
     assert Recording().chief_only is True
 
 

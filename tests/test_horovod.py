@@ -85,6 +85,18 @@ def test_auto_resume_under_horovod(trained):
         assert r["resume_equal"] and r["resumed_step"] == 12
 
 
+def test_inference_runner_runs_on_every_rank_and_equals_one_process(trained):
+    """InferenceRunner is not chief-only: its collective evaluation runs on
+    both ranks (the job ends, no rank waits forever), every rank gets the
+    same val_* logs, and they equal one process's evaluation."""
+    import horovod_script as script
+
+    out, (r0, r1) = trained
+    assert sorted(r0["inference"]) == ["val_accuracy", "val_error", "val_loss"]
+    assert r0["inference"] == r1["inference"]
+    script.assert_inference_equals_one_process(out / "inference_weights_rank0.npz", r0["inference"])
+
+
 def test_a_rank_that_dies_fails_the_job_fast(tmp_path):
     start = time.time()
     result = _horovodrun(tmp_path, "die", timeout=120)

@@ -72,3 +72,33 @@ def test_bad_inferencers_are_refused(two_towers):
     runner = kt.callbacks.InferenceRunner((x, y), [kt.callbacks.ScalarStats(["f1"])])
     with pytest.raises(KeyError, match="'f1' is not a metric of the model"):
         model.fit(x, y, batch_size=4, verbose=0, callbacks=[runner])
+
+
+def test_a_mid_epoch_runner_leaves_the_training_logs_as_they_were():
+    """evaluate resets the metrics; the runner puts the training metrics of
+    every tower back, so the epoch's logs are those of training alone."""
+    x, y = id_data(48)
+    x[:, 0] = 0.0
+    val_x, val_y = id_data(20, seed=4)
+    val_x[:, 0] = 0.0
+    weights = _model().get_weights()
+
+    def fit(callbacks):
+        with kt.distributed("mirrored", devices=TWO):
+            model = _model(weights)
+            model.optimizer.learning_rate.assign(0.1)
+            seen = []
+            probe = keras.callbacks.LambdaCallback(
+                on_train_batch_end=lambda batch, logs: seen.append(sorted(logs)))
+            history = model.fit(x, y, batch_size=4, epochs=2, verbose=0, shuffle=False,
+                                callbacks=callbacks + [probe])
+        return history.history, seen
+
+    runner = kt.callbacks.InferenceRunner(
+        (val_x, val_y), [kt.callbacks.ScalarStats(["loss", "accuracy"])], batch_size=4)
+    alone, _ = fit([])
+    with_runner, seen = fit([kt.callbacks.PeriodicTrigger(runner, every_k_steps=4)])
+    for key in ("loss", "accuracy"):
+        assert with_runner[key] == pytest.approx(alone[key], abs=1e-6), key
+    # 6 steps an epoch: the runner ran after steps 4, 8 and 12, mid-epoch twice.
+    assert [i for i, keys in enumerate(seen) if "val_loss" in keys] == [3, 7, 11]

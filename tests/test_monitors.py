@@ -88,3 +88,36 @@ def test_peak_memory_tracker_adds_nothing_where_the_device_reports_nothing(two_t
                         callbacks=[kt.callbacks.PeakMemoryTracker()])
     has_gpu = bool(tf.config.list_logical_devices("GPU"))
     assert ("peak_memory_mb" in history.history) == has_gpu
+
+
+def _scalar_steps(logdir, tag):
+    accumulator = event_accumulator.EventAccumulator(os.path.join(logdir, "train"))
+    accumulator.Reload()
+    return [e.step for e in accumulator.Tensors(tag)]
+
+
+def test_tensorboard_steps_are_global_steps_across_executions_and_resumes(tmp_path):
+    """With steps_per_execution=2 the batch hooks see steps 2, 3, 5, 6 of 2
+    epochs x 3 steps; a resumed run goes on from the step it resumed at."""
+    logdir, ckpt = str(tmp_path / "logs"), str(tmp_path / "ckpt")
+
+    def run(epochs):
+        with kt.distributed("mirrored", devices=TWO):
+            model = mlp(steps_per_execution=2)
+            model.fit(_endless(), steps_per_epoch=3, epochs=epochs, verbose=0, logdir=logdir,
+                      callbacks=[kt.callbacks.AutoResume(ckpt), kt.callbacks.ModelSaver(ckpt)])
+
+    run(epochs=2)
+    assert _scalar_steps(logdir, "batch_loss") == [2, 3, 5, 6]
+    run(epochs=4)
+    assert _scalar_steps(logdir, "batch_loss") == [2, 3, 5, 6, 8, 9, 11, 12]
+    assert _scalar_steps(logdir, "epoch_loss") == [0, 1, 2, 3]
+
+
+def test_tensorboard_update_freq_counts_global_steps(two_towers, tmp_path):
+    """update_freq=2 writes at the calls that reach a multiple of 2 steps."""
+    model = mlp(steps_per_execution=2)
+    logdir = str(tmp_path / "tb")
+    model.fit(_endless(), steps_per_epoch=3, epochs=2, verbose=0,
+              callbacks=[kt.callbacks.TensorBoard(logdir, update_freq=2)])
+    assert _scalar_steps(logdir, "batch_loss") == [2, 5, 6]

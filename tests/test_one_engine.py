@@ -221,3 +221,32 @@ def test_a_plain_keras_model_fitted_inside_kt_distributed_warns_once():
         with warnings.catch_warnings():
             warnings.simplefilter("error", UserWarning)
             plain.fit(x, y, batch_size=8, verbose=0)  # once per model
+
+
+def test_the_keras_io_step_returning_every_metric_by_name_does_not_warn():
+    class KerasIoFirstStep(kt.TowerModel):
+        def train_step(self, data):
+            x, y = data
+            with tf.GradientTape() as tape:
+                y_pred = self(x, training=True)
+                loss = self.compute_loss(y=y, y_pred=y_pred)
+            self.optimizer.apply(tape.gradient(loss, self.trainable_variables),
+                                 self.trainable_variables)
+            for metric in self.metrics:
+                if metric.name == "loss":
+                    metric.update_state(loss)
+                else:
+                    metric.update_state(y, y_pred)
+            return {m.name: m.result() for m in self.metrics}
+
+    import warnings
+
+    with kt.distributed("mirrored", devices=TWO):
+        inputs = keras.Input((2,))
+        model = KerasIoFirstStep(inputs, keras.layers.Dense(1)(inputs))
+        model.compile(optimizer="sgd", loss="mse", metrics=["mae"])
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", UserWarning)
+            history = model.fit(np.ones((16, 2), "float32"), np.ones((16, 1), "float32"),
+                                batch_size=4, verbose=0)
+    assert sorted(history.history) == ["loss", "mae"]

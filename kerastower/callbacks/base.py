@@ -21,6 +21,15 @@ every call of the compiled step function (its outputs are the step's logs);
 under `kt.Trainer`, every `trainer.hooked_run(fn, ...)` (its outputs are what
 `fn` returned). A plain call, made directly, triggers neither hook.
 
+`self.logs` is the logs dict of the Keras hook that is running: the epoch's
+logs in `_after_epoch`, `_trigger_epoch` and an epoch-end `_trigger`, the
+step's logs in `_trigger_step` and a `_trigger` fired after a step. It is
+the dict Keras passes on to the callbacks after this one, so results added
+to it (`self.logs["val_loss"] = ...`) reach History, CSVLogger, etc. Do a
+callback's work in the template methods, not in overridden `on_*` hooks:
+wrappers (`PeriodicTrigger`, `EnableCallbackIf`) schedule the template
+methods, and give the wrapped callback their own hook's logs.
+
 ```python
 import kerastower as kt
 
@@ -45,6 +54,7 @@ class Callback(keras.callbacks.Callback):
     """
 
     chief_only = True
+    logs = None  # the logs of the Keras hook that is running
 
     # Training state, read from the model's loop counters.
 
@@ -75,22 +85,30 @@ class Callback(keras.callbacks.Callback):
             )
         return float(logs[stat])
 
-    # Keras hooks -> tensorpack template methods.
+    # Keras hooks -> tensorpack template methods, with the hook's logs.
 
     def on_train_begin(self, logs=None):
+        self.logs = logs
         self.before_train()
 
     def on_epoch_begin(self, epoch, logs=None):
+        self.logs = logs
         self.before_epoch()
 
+    def on_train_batch_begin(self, batch, logs=None):
+        self.logs = logs
+
     def on_train_batch_end(self, batch, logs=None):
+        self.logs = logs
         self.trigger_step()
 
     def on_epoch_end(self, epoch, logs=None):
+        self.logs = logs
         self.after_epoch()
         self.trigger_epoch()
 
     def on_train_end(self, logs=None):
+        self.logs = logs
         self.after_train()
 
     # Public methods, each calling its template method.

@@ -12,13 +12,23 @@ kt.callbacks.InferenceRunner(
 
 Every example is counted once: the towers take successive batches of the
 source, towers left without a batch at the end contribute nothing, and sums
-are exact counts. Results are added to the epoch logs, so Keras callbacks
-later in the list (History, CSVLogger, EarlyStopping, ...) see them.
+are exact counts. Results are added to the logs of the hook that triggered
+the runner (the epoch logs by default), so Keras callbacks later in the
+list (History, CSVLogger, EarlyStopping, ...) see them.
+
+The runner runs on every process (its evaluation is collective: every
+process evaluates its share and the sums are reduced across them), and
+every process gets the same results. It may run mid-epoch
+(`PeriodicTrigger(runner, every_k_steps=k)`): the training metrics it
+resets to evaluate are put back afterwards, so the epoch's training logs
+are those of training alone.
 """
+
+import contextlib
 
 import numpy as np
 import tensorflow as tf
-from keras.src.trainers.data_adapters import data_adapter_utils
+from kerastower import _compat
 
 from kerastower.callbacks.base import Callback
 from kerastower.inputs import InputSource
@@ -86,9 +96,38 @@ class ClassificationError(Inferencer):
         return {self.summary_name: float(sums["wrong"] / max(sums["total"], 1e-12))}
 
 
+def _any_batch_size(spec):
+    """A tensor's spec with any batch size; other specs as they are."""
+    if isinstance(spec, tf.TensorSpec) and spec.shape.rank:
+        return tf.TensorSpec([None] + spec.shape.as_list()[1:], spec.dtype, spec.name)
+    return spec
+
+
+@contextlib.contextmanager
+def _training_metrics_kept(model):
+    """Puts every metric variable back as it was, each tower's copy, after
+    the block: evaluate resets the metrics the training logs are read from."""
+    strategy = model.tower_strategy
+    copies = [
+        copy
+        for metric in model.metrics
+        for variable in metric.variables
+        for copy in strategy.tower_values(getattr(variable, "value", variable))
+    ]
+    saved = [tf.identity(copy) for copy in copies]
+    try:
+        yield
+    finally:
+        for copy, value in zip(copies, saved):
+            copy.assign(value)
+
+
 class InferenceRunner(Callback):
     """Runs inferencers over a validation source whenever triggered (by
     default, at the end of every epoch) and adds their results to the logs.
+
+    It runs on every process (`chief_only = False`): evaluation is
+    collective, and every process gets the same results.
 
     Args:
         source: an InputSource, a `tf.data.Dataset`, or `(x, y)` /
@@ -98,10 +137,14 @@ class InferenceRunner(Callback):
         batch_size: per-tower batch for arrays (default 32).
     """
 
+    # Evaluation is collective: a process without the runner would leave
+    # the others waiting for it.
+    chief_only = False
+
     def __init__(self, source, inferencers, batch_size=None):
         super().__init__()
         if isinstance(source, (tuple, list)) and not isinstance(source, InputSource):
-            x, y, sample_weight = data_adapter_utils.unpack_x_y_sample_weight(tuple(source))
+            x, y, sample_weight = _compat.unpack_x_y_sample_weight(tuple(source))
             source = as_input_source(x, y, sample_weight, batch_size)
         else:
             source = as_input_source(source, batch_size=batch_size)
@@ -115,18 +158,13 @@ class InferenceRunner(Callback):
         self.results = {}
         self._sum_function = None
 
-    def on_epoch_end(self, epoch, logs=None):
-        self.after_epoch()
-        self.trigger_epoch()
-        if logs is not None:
-            logs.update(self.results)
-
     def _trigger(self):
         self.results = {}
         stats = [i for i in self.inferencers if isinstance(i, ScalarStats)]
         counters = [i for i in self.inferencers if not isinstance(i, ScalarStats)]
         if stats:
-            values = self.model.evaluate(self.source, verbose=0, return_dict=True)
+            with _training_metrics_kept(self.model):
+                values = self.model.evaluate(self.source, verbose=0, return_dict=True)
             for inferencer in stats:
                 for name in inferencer.names:
                     if name not in values:
@@ -139,26 +177,31 @@ class InferenceRunner(Callback):
             sums = self._sums_over_source(counters)
             for index, inferencer in enumerate(counters):
                 self.results.update(inferencer._results(sums[index]))
+        if self.logs is not None:
+            self.logs.update(self.results)
 
     def _sums_over_source(self, counters):
         """Per-inferencer sums over every example of the source, all towers."""
         model = self.model
         strategy = model.tower_strategy
+        model._build_for(self.source, with_targets=False)
+        iterator = iter(self.source.distribute(strategy))
         if self._sum_function is None:
 
             def tower_sums(data):
-                x, y, sample_weight = data_adapter_utils.unpack_x_y_sample_weight(data)
+                x, y, sample_weight = _compat.unpack_x_y_sample_weight(data)
                 y_pred = model._call_tower(x, training=False)
                 return [c._batch_sums(y, y_pred, sample_weight) for c in counters]
 
-            @tf.function
             def step(data):
                 per_tower = model.run_on_towers(tower_sums, data)
                 return tf.nest.map_structure(strategy.sum_over_towers, per_tower)
 
-            self._sum_function = step
-        model._build_for(self.source, with_targets=False)
-        iterator = iter(self.source.distribute(strategy))
+            # One trace for batches of any size: a process tracing again for
+            # its short last batch would run another graph than the others,
+            # whose collectives then never meet.
+            signature = tf.nest.map_structure(_any_batch_size, iterator.element_spec)
+            self._sum_function = tf.function(step, input_signature=[signature])
         totals = None
         while True:
             has_data, next_batches = strategy.next_step(iterator)

@@ -21,7 +21,7 @@ import time
 
 import keras
 import tensorflow as tf
-from keras.src.utils import io_utils
+from kerastower import _compat
 
 from kerastower.callbacks.base import Callback
 
@@ -57,23 +57,30 @@ class ProgressBar(keras.callbacks.ProgbarLogger):
 
 class ThroughputTracker(Callback):
     """Adds `samples_per_sec` (examples of all towers per second) and
-    `steps_per_sec` of each epoch to its logs."""
+    `steps_per_sec` to the logs when triggered (by default, at every epoch
+    end), measured since the epoch began or the last trigger, the later."""
 
-    def _before_epoch(self):
+    def _start_measuring(self):
         self._start = (time.perf_counter(), self.model.loop.examples_seen, self.global_step)
 
-    def on_epoch_end(self, epoch, logs=None):
+    def _before_train(self):
+        self._start_measuring()
+
+    def _before_epoch(self):
+        self._start_measuring()
+
+    def _trigger(self):
         start_time, start_examples, start_step = self._start
         seconds = max(time.perf_counter() - start_time, 1e-9)
-        if logs is not None:
-            logs["samples_per_sec"] = (self.model.loop.examples_seen - start_examples) / seconds
-            logs["steps_per_sec"] = (self.global_step - start_step) / seconds
-        super().on_epoch_end(epoch, logs)
+        if self.logs is not None:
+            self.logs["samples_per_sec"] = (self.model.loop.examples_seen - start_examples) / seconds
+            self.logs["steps_per_sec"] = (self.global_step - start_step) / seconds
+        self._start_measuring()
 
 
 class EstimatedTimeLeft(Callback):
-    """Prints the estimated time left after each epoch: the median epoch
-    time so far times the epochs still to run."""
+    """Prints the estimated time left when triggered (by default, after each
+    epoch): the median epoch time so far times the epochs still to run."""
 
     def __init__(self):
         super().__init__()
@@ -83,21 +90,22 @@ class EstimatedTimeLeft(Callback):
     def _before_epoch(self):
         self._start = time.perf_counter()
 
-    def _trigger_epoch(self):
+    def _trigger(self):
         self.durations.append(time.perf_counter() - self._start)
         left = self.loop.max_epoch - self.epoch_num
         self.estimate = statistics.median(self.durations) * left
         if left > 0:
             minutes, seconds = divmod(int(round(self.estimate)), 60)
             hours, minutes = divmod(minutes, 60)
-            io_utils.print_msg(
+            _compat.print_msg(
                 f"EstimatedTimeLeft: {hours}h {minutes:02d}m {seconds:02d}s "
                 f"for {left} more epoch(s)"
             )
 
 
 class ScalarPrinter(Callback):
-    """Prints every scalar of the epoch logs, one per line, as tensorpack did.
+    """Prints every scalar of the logs when triggered (by default, the epoch
+    logs at every epoch end), one per line, as tensorpack did.
 
     Args:
         whitelist: names to print (default: all).
@@ -107,16 +115,15 @@ class ScalarPrinter(Callback):
         super().__init__()
         self.whitelist = None if whitelist is None else set(whitelist)
 
-    def on_epoch_end(self, epoch, logs=None):
-        for name, value in sorted((logs or {}).items()):
+    def _trigger(self):
+        for name, value in sorted((self.logs or {}).items()):
             if self.whitelist is None or name in self.whitelist:
-                io_utils.print_msg(f"[epoch {self.epoch_num}, step {self.global_step}] {name}: {float(value):.6g}")
-        super().on_epoch_end(epoch, logs)
+                _compat.print_msg(f"[epoch {self.epoch_num}, step {self.global_step}] {name}: {float(value):.6g}")
 
 
 class JSONWriter(Callback):
-    """Keeps `logdir/stats.json`: one record per epoch with `epoch_num`,
-    `global_step` and the epoch logs.
+    """Keeps `logdir/stats.json`: one record per trigger (by default, per
+    epoch) with `epoch_num`, `global_step` and the logs.
 
     The file is rewritten through a temporary file and an atomic rename, so
     it is always valid JSON. A resumed run keeps the records up to the step
@@ -144,41 +151,71 @@ class JSONWriter(Callback):
             # that was lost; they are replaced by the ones to come.
             self.records = [r for r in previous if r["global_step"] <= self.global_step]
 
-    def on_epoch_end(self, epoch, logs=None):
+    def _trigger(self):
         record = {"epoch_num": self.epoch_num, "global_step": self.global_step}
-        record.update({k: float(v) for k, v in (logs or {}).items()})
+        record.update({k: float(v) for k, v in (self.logs or {}).items()})
         self.records.append(record)
         staging = self.path + ".writing"
         with open(staging, "w") as f:
             json.dump(self.records, f, indent=1)
         os.replace(staging, self.path)
-        super().on_epoch_end(epoch, logs)
 
 
 class TensorBoard(keras.callbacks.TensorBoard):
-    """Keras's TensorBoard callback, writing step scalars (`batch_*`, at the
-    global step) and epoch scalars (`epoch_*`), on the chief only."""
+    """Keras's TensorBoard callback, writing step scalars (`batch_*`) and
+    epoch scalars (`epoch_*`), on the chief only.
+
+    Its step axis is the loop's global step (`model.loop.global_step`), not
+    Keras's count of batch hooks: with `steps_per_execution=k` the scalars
+    are at the steps the hooks ran after, and a resumed run goes on from
+    the step it resumed at. An integer `update_freq=n` writes after the
+    calls that reach a multiple of n steps.
+    """
 
     chief_only = True
 
     def __init__(self, log_dir="logs", update_freq="batch", **kwargs):
         super().__init__(log_dir=log_dir, update_freq=update_freq, **kwargs)
+        self._last_written_step = 0
+
+    def on_train_begin(self, logs=None):
+        super().on_train_begin(logs)
+        self._last_written_step = self.model.loop.global_step
+
+    def on_train_batch_begin(self, batch, logs=None):
+        # Keras adds one: summaries written inside the call get its first step.
+        self._global_train_batch = self.model.loop.global_step
+        super().on_train_batch_begin(batch, logs)
+
+    def on_train_batch_end(self, batch, logs=None):
+        step = self._global_train_batch = self.model.loop.global_step
+        if self.update_freq == "epoch":
+            super().on_train_batch_end(batch, logs)
+            return
+        due = step // self.update_freq > self._last_written_step // self.update_freq
+        self._last_written_step = step
+        with tf.summary.record_if(due):
+            super().on_train_batch_end(batch, logs)
 
 
 class PeakMemoryTracker(Callback):
-    """Adds `peak_memory_mb` (the largest over the towers' devices) of each
-    epoch to its logs, on devices that report memory (GPUs); elsewhere it
-    adds nothing."""
+    """Adds `peak_memory_mb` (the largest over the towers' devices) to the
+    logs when triggered (by default, at every epoch end), the peak since the
+    epoch began or the last trigger, on devices that report memory (GPUs);
+    elsewhere it adds nothing."""
 
     def _devices(self):
         return [d.name for d in tf.config.list_logical_devices("GPU")]
 
-    def _before_epoch(self):
+    def _reset(self):
         for device in self._devices():
             tf.config.experimental.reset_memory_stats(device)
 
-    def on_epoch_end(self, epoch, logs=None):
+    def _before_epoch(self):
+        self._reset()
+
+    def _trigger(self):
         peaks = [tf.config.experimental.get_memory_info(d)["peak"] for d in self._devices()]
-        if peaks and logs is not None:
-            logs["peak_memory_mb"] = max(peaks) / 2**20
-        super().on_epoch_end(epoch, logs)
+        if peaks and self.logs is not None:
+            self.logs["peak_memory_mb"] = max(peaks) / 2**20
+        self._reset()

@@ -168,11 +168,9 @@ class ScheduledHyperParamSetter(HyperParamSetter):
                 return v0
         return self.schedule[-1][1]
 
-    def _before_epoch(self):
-        if not self.step_based:
-            self._set()
-
-    def on_train_batch_begin(self, batch, logs=None):
+    def _trigger_step(self):
+        # After a step, global_step is the number of steps done: the value
+        # set now is the one the next step reads.
         if self.step_based:
             self._set()
 
@@ -196,10 +194,11 @@ class HyperParamSetterWithFunc(HyperParamSetter):
 class StatMonitorParamSetter(HyperParamSetter):
     """Changes `param` when a logged stat stops improving.
 
-    At the end of every epoch, if `stat` (a key of the epoch logs, e.g.
-    "val_loss") has not become lower by more than `threshold` than the best
-    value before the last `last_k` epochs, set `param = value_func(param)`
-    and wait `last_k` epochs before the next change. With `reverse=True` the
+    Whenever triggered (by default, at the end of every epoch), it reads
+    `stat` from the logs (a key of the epoch logs, e.g. "val_loss"); if it
+    has not become lower by more than `threshold` than the best value
+    before the last `last_k` readings, set `param = value_func(param)` and
+    wait `last_k` epochs before the next change. With `reverse=True` the
     stat should become higher instead (e.g. accuracy).
     """
 
@@ -216,10 +215,10 @@ class StatMonitorParamSetter(HyperParamSetter):
     def _before_epoch(self):
         pass
 
-    def on_epoch_end(self, epoch, logs=None):
-        value = self.read_stat(logs, self.stat)
+    def _trigger(self):
+        value = self.read_stat(self.logs, self.stat)
         self.history.append(-value if self.reverse else value)
-        super().on_epoch_end(epoch, logs)
+        self._set()
 
     def _value_to_set(self):
         if len(self.history) <= self.last_k:
@@ -234,4 +233,4 @@ class StatMonitorParamSetter(HyperParamSetter):
         return self.value_func(self.get_current_value())
 
     def _trigger_epoch(self):
-        self._set()
+        self._trigger()

@@ -74,7 +74,8 @@ class ModelSaver(Callback):
 
 
 class _BestSaver(Callback):
-    """Saves the model as `<filename>.keras` when `stat` reaches a new best."""
+    """Saves the model as `<filename>.keras` when triggered (by default, at
+    every epoch end) and `stat` in the logs is a new best."""
 
     def __init__(self, stat, filename=None, checkpoint_dir=".", better=None):
         super().__init__()
@@ -88,15 +89,14 @@ class _BestSaver(Callback):
     def path(self):
         return os.path.join(self.checkpoint_dir, self.filename + ".keras")
 
-    def on_epoch_end(self, epoch, logs=None):
-        value = self.read_stat(logs, self.stat)
+    def _trigger(self):
+        value = self.read_stat(self.logs, self.stat)
         if self.best is None or self._better(value, self.best):
             self.best = value
             os.makedirs(self.checkpoint_dir, exist_ok=True)
             staging = self.path + ".writing.keras"
             self.model.save(staging)
             os.replace(staging, self.path)
-        super().on_epoch_end(epoch, logs)
 
 
 class MinSaver(_BestSaver):

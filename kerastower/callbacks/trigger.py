@@ -1,33 +1,103 @@
 """Triggers: run another callback's `trigger()` on a schedule or a condition.
 
 ```python
+import keras
 import kerastower as kt
 
 # Trigger every 100 steps and at the end of every 2nd epoch.
 kt.callbacks.PeriodicTrigger(my_callback, every_k_steps=100, every_k_epochs=2)
 # Run my_callback only while pred(my_callback) is true.
 kt.callbacks.EnableCallbackIf(my_callback, lambda cb: cb.epoch_num > 3)
+# Keras callbacks too: their trigger is their on_epoch_end.
+kt.callbacks.PeriodicTrigger(keras.callbacks.ModelCheckpoint("ep{epoch}.keras"), every_k_epochs=5)
 ```
+
+The wrapped callback does all its work when its wrapper says: a kt
+callback's trigger gets the logs of the hook that fired it (`self.logs`),
+so an InferenceRunner adds its results to them, a MinSaver reads them.
+
+A Keras callback's trigger is its `on_epoch_end(epoch, logs)`, called with
+the current 0-based epoch and the logs of the hook that fired it (the
+step's logs when fired after a step). Its other hooks (`on_train_begin`,
+`on_epoch_begin`, `on_train_batch_begin/end`, `on_test_*`, `on_predict_*`,
+`on_train_end`) are forwarded; as unwrapped, its `on_train_end` runs only
+when training completes, not when it fails.
 """
+
+import sys
+
+import keras
 
 from kerastower.callbacks.base import Callback
 
 __all__ = ["PeriodicTrigger", "EnableCallbackIf", "ProxyCallback"]
 
+# Keras hooks with no template method: forwarded to the wrapped callback as they are.
+_FORWARDED_HOOKS = (
+    "on_test_begin",
+    "on_test_end",
+    "on_test_batch_begin",
+    "on_test_batch_end",
+    "on_predict_begin",
+    "on_predict_end",
+    "on_predict_batch_begin",
+    "on_predict_batch_end",
+)
+# kt hooks a wrapper splits into template methods it schedules.
+_SCHEDULED_HOOKS = ("on_train_batch_end", "on_epoch_end")
+
+
+def _checked(wrapper, callback):
+    """`callback` if a wrapper can schedule it, else a TypeError saying why."""
+    if not isinstance(callback, keras.callbacks.Callback):
+        raise TypeError(
+            f"{wrapper} wraps a kt.callbacks.Callback or a keras.callbacks.Callback; "
+            f"got {type(callback).__name__}."
+        )
+    if isinstance(callback, Callback):
+        for hook in _SCHEDULED_HOOKS:
+            if getattr(type(callback), hook) is not getattr(Callback, hook):
+                raise TypeError(
+                    f"{wrapper}: {type(callback).__name__} overrides {hook}, whose work "
+                    "a wrapper cannot schedule (it calls the template methods). Do that "
+                    "work in _trigger() (or _trigger_step / _after_epoch / "
+                    "_trigger_epoch), reading and updating self.logs."
+                )
+    return callback
+
+
+def _training_failed():
+    """Whether the loop is ending a failed training: it calls on_train_end
+    then while handling the error (StopTraining is a normal end)."""
+    from kerastower.loop import StopTraining
+
+    error = sys.exc_info()[1]
+    return error is not None and not isinstance(error, StopTraining)
+
 
 class ProxyCallback(Callback):
-    """Forwards every hook to the wrapped `kt.callbacks.Callback`."""
+    """Forwards every hook to the wrapped callback, a `kt.callbacks.Callback`
+    or a `keras.callbacks.Callback` (see the module docstring).
+
+    Subclasses choose when: `_active()` gates every hook but set-up and
+    tear-down (`before_train`, `after_train`), and they may override the
+    template methods, calling `super()` to forward.
+    """
 
     def __init__(self, callback):
         super().__init__()
-        if not isinstance(callback, Callback):
-            raise TypeError(
-                f"{type(self).__name__} wraps a kt.callbacks.Callback; got "
-                f"{type(callback).__name__}. Wrap a Keras callback in a "
-                "kt.callbacks.Callback subclass that calls it from _trigger()."
-            )
-        self.callback = callback
-        self.chief_only = callback.chief_only
+        self.callback = _checked(type(self).__name__, callback)
+        self.is_keras = not isinstance(callback, Callback)
+        self.chief_only = getattr(callback, "chief_only", None)
+        if self.chief_only is None:
+            from kerastower.loop import _KERAS_CHIEF_ONLY
+
+            self.chief_only = isinstance(callback, _KERAS_CHIEF_ONLY)
+        self._run_active = True
+
+    def _active(self):
+        """Whether the wrapped callback's hooks run now (always, here)."""
+        return True
 
     def set_model(self, model):
         super().set_model(model)
@@ -37,46 +107,105 @@ class ProxyCallback(Callback):
         super().set_params(params)
         self.callback.set_params(params)
 
+    def _wrapped(self):
+        """The wrapped kt callback, given the logs of the running hook."""
+        self.callback.logs = self.logs
+        return self.callback
+
+    def _keras_epoch_end(self):
+        """A Keras callback's trigger: its on_epoch_end with the current logs."""
+        logs = {} if self.logs is None else self.logs
+        self.callback.on_epoch_end(self.epoch_num - 1, logs)
+
+    def _keras_batch_end(self):
+        """A Keras callback's on_train_batch_end: a hook besides its trigger."""
+        if self.is_keras:
+            self.callback.on_train_batch_end(self.local_step - 1, self.logs)
+
+    # Keras hooks with no template method.
+
+    def on_train_batch_begin(self, batch, logs=None):
+        super().on_train_batch_begin(batch, logs)
+        if self._active():
+            self.callback.on_train_batch_begin(batch, logs)
+
+    # Template methods -> the wrapped callback.
+
     def _before_train(self):
-        self.callback.before_train()
+        self.callback.on_train_begin(self.logs)
 
     def _before_epoch(self):
-        self.callback.before_epoch()
+        if self._active():
+            self.callback.on_epoch_begin(self.epoch_num - 1, self.logs)
 
     def _before_run(self):
-        self.callback.before_run()
+        # The pair of hooks runs or not together, as pred said before the run.
+        self._run_active = self._active()
+        if self._run_active and not self.is_keras:
+            self._wrapped().before_run()
 
     def _after_run(self, outputs):
-        self.callback.after_run(outputs)
+        if self._run_active and not self.is_keras:
+            self._wrapped().after_run(outputs)
 
     def _trigger_step(self):
-        self.callback.trigger_step()
+        if self._active():
+            self._keras_batch_end()
+            if not self.is_keras:
+                self._wrapped().trigger_step()
 
     def _after_epoch(self):
-        self.callback.after_epoch()
+        if self._active() and not self.is_keras:
+            self._wrapped().after_epoch()
 
     def _trigger_epoch(self):
-        self.callback.trigger_epoch()
+        if self._active():
+            if self.is_keras:
+                self._keras_epoch_end()
+            else:
+                self._wrapped().trigger_epoch()
 
     def _trigger(self):
-        self.callback.trigger()
+        if self._active():
+            if self.is_keras:
+                self._keras_epoch_end()
+            else:
+                self._wrapped().trigger()
 
     def _after_train(self):
-        self.callback.after_train()
+        if not (self.is_keras and _training_failed()):
+            self.callback.on_train_end(self.logs)
 
     def __str__(self):
         return f"{type(self).__name__}({self.callback})"
 
 
+def _forwarding(hook):
+    def forward(self, *args, **kwargs):
+        if self._active():
+            getattr(self.callback, hook)(*args, **kwargs)
+
+    forward.__name__ = forward.__qualname__ = hook
+    forward.__doc__ = f"Calls the wrapped callback's `{hook}` while it is active."
+    return forward
+
+
+for _hook in _FORWARDED_HOOKS:
+    setattr(ProxyCallback, _hook, _forwarding(_hook))
+
+
 class PeriodicTrigger(ProxyCallback):
-    """Calls `callback.trigger()` every k steps and/or every k epochs.
+    """Triggers `callback` every k steps and/or every k epochs.
 
     Only the trigger is scheduled: the wrapped callback's other hooks
-    (`_before_train`, `_before_epoch`, `_after_epoch`, `_after_train`) still
-    run every time, and its own `_trigger_step` / `_trigger_epoch` do not.
+    (`_before_train`, `_before_epoch`, `_after_epoch`, `_after_train`, and a
+    Keras callback's hooks but `on_epoch_end`) still run every time, and its
+    own `_trigger_step` / `_trigger_epoch` do not. A trigger after a step
+    gets that step's logs; one at an epoch end gets the epoch's logs.
 
     Args:
-        callback: a `kt.callbacks.Callback`.
+        callback: a `kt.callbacks.Callback`, triggered with `trigger()`, or a
+            `keras.callbacks.Callback`, triggered with `on_epoch_end`.
         every_k_steps: trigger after global steps divisible by k.
         every_k_epochs: trigger at the end of epochs divisible by k.
     """
@@ -98,6 +227,7 @@ class PeriodicTrigger(ProxyCallback):
         super()._before_train()
 
     def _trigger_step(self):
+        self._keras_batch_end()
         if self.every_k_steps is None:
             return
         step, k = self.global_step, self.every_k_steps
@@ -107,7 +237,7 @@ class PeriodicTrigger(ProxyCallback):
         self._last_seen_step = step
         if crossed:
             self._last_triggered_step = step
-            self.callback.trigger()
+            self._trigger()
 
     def _trigger_epoch(self):
         # An epoch end that falls on a step trigger fires once, not twice.
@@ -117,14 +247,24 @@ class PeriodicTrigger(ProxyCallback):
             and self._last_triggered_step != self.global_step
         ):
             self._last_triggered_step = self.global_step
-            self.callback.trigger()
+            self._trigger()
 
 
 class EnableCallbackIf(ProxyCallback):
-    """Runs every hook of `callback` only while `pred(callback)` is true.
+    """Runs the hooks of `callback` only while `pred(callback)` is true.
 
-    `pred` is evaluated before each hook, so a callback can be enabled after
-    some epoch or disabled when a value is reached.
+    As in tensorpack, set-up and tear-down run whatever `pred` says: a kt
+    callback's `_before_train` / `_after_train`, a Keras callback's
+    `on_train_begin` / `on_train_end` (where e.g. CSVLogger opens and closes
+    its file). Every other hook, triggers included, runs only while `pred`
+    is true; `pred` is evaluated before each, so a callback can be enabled
+    after some epoch or disabled when a value is reached. `_before_run` and
+    `_after_run` run as a pair, as `pred` said before the run.
+
+    Args:
+        callback: a `kt.callbacks.Callback` or a `keras.callbacks.Callback`
+            (whose trigger is its `on_epoch_end`).
+        pred: `pred(callback)` -> bool.
     """
 
     def __init__(self, callback, pred):
@@ -133,41 +273,5 @@ class EnableCallbackIf(ProxyCallback):
             raise TypeError(f"EnableCallbackIf: pred must be callable; got {pred!r}.")
         self.pred = pred
 
-    def _enabled(self):
+    def _active(self):
         return bool(self.pred(self.callback))
-
-    def _before_train(self):
-        if self._enabled():
-            super()._before_train()
-
-    def _before_epoch(self):
-        if self._enabled():
-            super()._before_epoch()
-
-    def _before_run(self):
-        if self._enabled():
-            super()._before_run()
-
-    def _after_run(self, outputs):
-        if self._enabled():
-            super()._after_run(outputs)
-
-    def _trigger_step(self):
-        if self._enabled():
-            super()._trigger_step()
-
-    def _after_epoch(self):
-        if self._enabled():
-            super()._after_epoch()
-
-    def _trigger_epoch(self):
-        if self._enabled():
-            super()._trigger_epoch()
-
-    def _trigger(self):
-        if self._enabled():
-            super()._trigger()
-
-    def _after_train(self):
-        if self._enabled():
-            super()._after_train()

@@ -283,7 +283,12 @@ def make_step_function(model, tower_step, mode):
     strategy = model.tower_strategy
     is_training = mode == "train"
     step_name = f"{type(model).__name__}.{tower_step.__name__}"
-    metric_keys = set(model.get_metrics_result()) if mode != "predict" else set()
+    # What a step may return: its metrics' results, flat or by metric name
+    # (keras.io's `{m.name: m.result() for m in self.metrics}`).
+    metric_keys = (
+        set(model.get_metrics_result()) | {m.name for m in model.metrics}
+        if mode != "predict" else set()
+    )
 
     def tower_fn(data):
         index = strategy.tower_index()
