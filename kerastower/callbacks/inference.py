@@ -28,8 +28,8 @@ import contextlib
 
 import numpy as np
 import tensorflow as tf
-from kerastower import _compat
 
+from kerastower import _compat
 from kerastower.callbacks.base import Callback
 from kerastower.inputs import InputSource
 from kerastower.inputs import as_input_source

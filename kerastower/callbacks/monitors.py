@@ -21,8 +21,8 @@ import time
 
 import keras
 import tensorflow as tf
-from kerastower import _compat
 
+from kerastower import _compat
 from kerastower.callbacks.base import Callback
 
 __all__ = [
