@@ -31,7 +31,21 @@ from kerastower.strategies import TowerStrategy
 from kerastower.strategies import register_strategy
 from kerastower.strategies import training_state
 
-__all__ = ["MultiWorkerStrategy"]
+__all__ = ["MultiWorkerStrategy", "worker_shard"]
+
+
+def worker_shard(dataset, workers, worker, local_towers):
+    """The batches of a shared pipeline that `worker` takes.
+
+    Each step, the worker's `local_towers` towers take successive batches
+    of its shard. Sharding in groups of `local_towers` makes towers in index
+    order (worker-major) hold the step's batches in input order, so that
+    predict's outputs, gathered in tower order, keep it.
+    """
+    if local_towers == 1:
+        return dataset.shard(workers, worker)
+    grouped = dataset.enumerate().filter(lambda i, _: (i // local_towers) % workers == worker)
+    return grouped.map(lambda _, element: element)
 
 
 class MultiWorkerStrategy(TowerStrategy):
@@ -121,20 +135,13 @@ class MultiWorkerStrategy(TowerStrategy):
                 "worker per device."
             )
 
-        local = self.local_towers
-
         def worker_dataset(context):
             dataset = dataset_fn(context)
             if per_tower:
                 return dataset
-            workers, worker = context.num_input_pipelines, context.input_pipeline_id
-            if local == 1:
-                return dataset.shard(workers, worker)
-            # A worker takes `local` consecutive batches per step, one per
-            # tower, so that towers in index order (worker-major) hold the
-            # step's batches in input order: predict's outputs keep it.
-            grouped = dataset.enumerate().filter(lambda i, _: (i // local) % workers == worker)
-            return grouped.map(lambda _, element: element)
+            return worker_shard(
+                dataset, context.num_input_pipelines, context.input_pipeline_id, self.local_towers
+            )
 
         return self.tf_strategy.distribute_datasets_from_function(worker_dataset)
 

@@ -81,3 +81,24 @@ def test_a_worker_that_dies_makes_the_other_fail_fast_and_clearly(tmp_path):
     assert dying.returncode == 3
     assert chief.returncode != 0 and time.time() - start < 60
     assert "PeerFailureError: Another worker of this training stopped responding" in output
+
+
+@pytest.mark.parametrize("workers,local_towers", [(2, 1), (2, 2), (3, 2), (2, 4)])
+def test_towers_in_index_order_hold_a_steps_batches_in_input_order(workers, local_towers):
+    """What predict relies on with several devices per worker (which
+    MultiWorkerMirroredStrategy gives GPU workers only): tower w * L + i of
+    step s takes the (s * W * L + w * L + i)-th batch."""
+    import tensorflow as tf
+
+    from kerastower.multiworker import worker_shard
+
+    towers = workers * local_towers
+    steps = 3
+    batches = tf.data.Dataset.range(steps * towers)
+    shards = [list(worker_shard(batches, workers, w, local_towers).as_numpy_iterator())
+              for w in range(workers)]
+    in_tower_order = [
+        shards[w][s * local_towers + i]  # a worker's towers take successive batches
+        for s in range(steps) for w in range(workers) for i in range(local_towers)
+    ]
+    assert in_tower_order == list(range(steps * towers))
