@@ -54,6 +54,8 @@ class LoopState:
         examples_seen: examples trained on by all towers, in this process.
         epoch_ended: True from the end of an epoch's last step until the
             next epoch begins (checkpoints written then resume at the next).
+        training_failed: True while the callbacks' after_train runs for a
+            training that raised (not for StopTraining).
 
     Example:
 
@@ -75,6 +77,7 @@ class LoopState:
         self.tower_batches = []
         self.examples_seen = 0
         self.epoch_ended = False
+        self.training_failed = False
 
     def __repr__(self):
         return (
@@ -114,11 +117,18 @@ class Iteration:
         """After the last epoch, before on_train_end."""
 
 
+def _unwrapped(callback):
+    """The callback a wrapper (PeriodicTrigger, EnableCallbackIf) holds."""
+    while hasattr(callback, "callback") and isinstance(callback, KtCallback):
+        callback = callback.callback
+    return callback
+
+
 def _with_default_monitors(callbacks, verbose, logdir):
     """The user's callbacks with kerastower's progress bar first and, given a
     logdir, throughput, TensorBoard and stats.json writers at the end."""
     callbacks = list(callbacks or [])
-    kinds = tuple(type(cb) for cb in callbacks)
+    kinds = tuple(type(_unwrapped(cb)) for cb in callbacks)
     if verbose != 0 and not any(issubclass(k, keras.callbacks.ProgbarLogger) for k in kinds):
         callbacks.insert(0, monitors.ProgressBar())
     if logdir is not None:
@@ -176,9 +186,14 @@ def check_strategy(model, method):
 
     active = strategies.current_strategy()
     if strategies.is_explicit() and active.tf_strategy is not model.tower_strategy.tf_strategy:
+        same_kind = (
+            " (another object of the same kind: each kt.distributed(...) call makes its "
+            "own strategy, so enter one object, e.g. `towers = kt.distributed(...)`, for "
+            "both)" if repr(active) == repr(model.tower_strategy) else ""
+        )
         raise StrategyError(
             f"{method}() runs under {active} but this model was created under "
-            f"{model.tower_strategy}. Create the model inside the same "
+            f"{model.tower_strategy}{same_kind}. Create the model inside the same "
             "kt.distributed function or block that calls "
             f"{method}(), so its variables live on the towers that train it."
         )
@@ -217,6 +232,7 @@ class MainLoop:
         loop.steps_per_epoch = steps_per_epoch or epoch_length
         loop.tower_batches = [0] * model.num_towers
         model.stop_training = False
+        loop.training_failed = False
         epoch_logs = None
         try:
             state = self._restore()
@@ -237,6 +253,7 @@ class MainLoop:
             )
             self._after_train(epoch_logs)
         except BaseException:
+            loop.training_failed = True
             self._after_train(epoch_logs, failed=True)
             raise
         else:
@@ -248,7 +265,7 @@ class MainLoop:
         that state, or None."""
         state = None
         for callback in getattr(self.callbacks, "callbacks", self.callbacks):
-            restore = getattr(callback, "restore_training_state", None)
+            restore = getattr(_unwrapped(callback), "restore_training_state", None)
             if restore is not None and self.strategy.is_chief:
                 state = restore() or state
         state = self.strategy.broadcast_object(None if state is None else state.to_dict())

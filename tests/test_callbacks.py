@@ -1,5 +1,7 @@
 """Loop state and tensorpack-style callbacks under TowerModel.fit."""
 
+import itertools
+
 import keras
 import pytest
 import tensorflow as tf
@@ -107,6 +109,28 @@ def test_enable_callback_if(two_towers):
     assert {c[1] for c in recording.calls[1:]} == {3}
     assert [c[0] for c in recording.calls[1:]] == [
         "before_epoch", "trigger_step", "trigger_step", "after_epoch", "trigger", "after_train"]
+
+
+def test_enable_callback_if_runs_before_and_after_run_as_a_pair(two_towers):
+    class Runs(kt.callbacks.Callback):
+        def __init__(self):
+            super().__init__()
+            self.calls = []
+
+        def _before_run(self):
+            self.calls.append("before_run")
+
+        def _after_run(self, outputs):
+            self.calls.append("after_run")
+
+    flips = itertools.cycle([True, False])  # pred changes at every look
+    runs = Runs()
+    model = mlp()
+    model.fit(_repeating(), steps_per_epoch=4, epochs=1, verbose=0,
+              callbacks=[kt.callbacks.EnableCallbackIf(runs, lambda cb: next(flips))])
+    # The run hooks ran (in steps 1 and 3, where the look before the run
+    # said True) or not, both together.
+    assert runs.calls == ["before_run", "after_run"] * 2
 
 
 def test_template_methods_read_and_extend_the_logs_of_the_running_hook(two_towers):

@@ -250,3 +250,30 @@ def test_the_keras_io_step_returning_every_metric_by_name_does_not_warn():
             history = model.fit(np.ones((16, 2), "float32"), np.ones((16, 1), "float32"),
                                 batch_size=4, verbose=0)
     assert sorted(history.history) == ["loss", "mae"]
+
+
+def test_a_wrapped_monitor_counts_as_present_and_a_wrapped_auto_resume_restores(tmp_path):
+    from kerastower.loop import _unwrapped
+    from kerastower.loop import training_callbacks
+
+    towers = kt.distributed("mirrored", devices=TWO)
+    with towers:
+        inputs = keras.Input((2,))
+        model = kt.TowerModel(inputs, keras.layers.Dense(1)(inputs))
+        model.compile(optimizer="sgd", loss="mse")
+    wrapped = kt.callbacks.PeriodicTrigger(kt.callbacks.JSONWriter(str(tmp_path)), every_k_epochs=2)
+    made = training_callbacks(model, [wrapped], 0, str(tmp_path), 1, 1).callbacks
+    writers = [cb for cb in made if isinstance(_unwrapped(cb), kt.callbacks.JSONWriter)]
+    assert writers == [wrapped]
+
+    ckpt = str(tmp_path / "ckpt")
+    data = tf.data.Dataset.from_tensors((tf.ones([4, 2]), tf.ones([4, 1]))).repeat()
+    with towers:
+        model.fit(data, steps_per_epoch=2, epochs=1, verbose=0,
+                  callbacks=[kt.callbacks.ModelSaver(ckpt)])
+        inputs = keras.Input((2,))
+        resumed = kt.TowerModel(inputs, keras.layers.Dense(1)(inputs))
+        resumed.compile(optimizer="sgd", loss="mse")
+        always = kt.callbacks.EnableCallbackIf(kt.callbacks.AutoResume(ckpt), lambda cb: True)
+        resumed.fit(data, steps_per_epoch=2, epochs=2, verbose=0, callbacks=[always])
+    assert resumed.loop.global_step == 4

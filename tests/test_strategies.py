@@ -96,3 +96,12 @@ def test_non_finite_check_sees_the_reduced_gradient(two_towers):
     for a, b in zip(before, model.get_weights()):
         np.testing.assert_array_equal(a, b)
     assert float(optimizer.dynamic_scale.numpy()) == 512.0
+
+
+def test_two_switches_of_the_same_kind_are_told_apart_in_the_error():
+    x, y = id_data(8)
+    with kt.distributed("mirrored", devices=TWO):
+        model = mlp()
+    with kt.distributed("mirrored", devices=TWO):
+        with pytest.raises(kt.StrategyError, match="another object of the same kind"):
+            model.fit(x, y, verbose=0)

@@ -11,7 +11,9 @@
 | `PeakMemoryTracker` | `peak_memory_mb` of every epoch, where the device reports it (GPUs) |
 
 `model.fit(..., logdir=path)` adds TensorBoard, JSONWriter and
-ThroughputTracker unless the list already has them.
+ThroughputTracker unless the list already has them. The kt monitors add,
+print or write when triggered (by default, at every epoch end), so a
+`PeriodicTrigger` or `EnableCallbackIf` around one chooses when.
 """
 
 import json

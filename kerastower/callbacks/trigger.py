@@ -24,8 +24,6 @@ step's logs when fired after a step). Its other hooks (`on_train_begin`,
 when training completes, not when it fails.
 """
 
-import sys
-
 import keras
 
 from kerastower.callbacks.base import Callback
@@ -64,15 +62,6 @@ def _checked(wrapper, callback):
                     "_trigger_epoch), reading and updating self.logs."
                 )
     return callback
-
-
-def _training_failed():
-    """Whether the loop is ending a failed training: it calls on_train_end
-    then while handling the error (StopTraining is a normal end)."""
-    from kerastower.loop import StopTraining
-
-    error = sys.exc_info()[1]
-    return error is not None and not isinstance(error, StopTraining)
 
 
 class ProxyCallback(Callback):
@@ -173,7 +162,8 @@ class ProxyCallback(Callback):
                 self._wrapped().trigger()
 
     def _after_train(self):
-        if not (self.is_keras and _training_failed()):
+        # The loop marks a failed run: to Keras, on_train_end means success.
+        if not (self.is_keras and self.loop.training_failed):
             self.callback.on_train_end(self.logs)
 
     def __str__(self):
