@@ -23,7 +23,7 @@ def test_a_missing_private_api_raises_an_error_naming_it_and_the_versions():
 
 def test_a_missing_private_model_member_raises_instead_of_being_skipped():
     class NotAKerasModel:
-        pass
+        """Has none of keras.Model's private members."""
 
     with pytest.raises(kt.KerasTowerError, match="_loss_tracker"):
         _compat.loss_tracker(NotAKerasModel())
