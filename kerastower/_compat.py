@@ -263,6 +263,36 @@ def install_tower_patches(apply_in_tower):
     _installed.append(True)
 
 
+def apply_if(condition, apply, gradients):
+    """Inside a tower: `apply(gradients)` on every tower where `condition`
+    (the same on all towers) holds, else nothing.
+
+    Where the strategy updates variables through `merge_call` (TF's
+    MirroredStrategy), a `tf.cond` around the update must be taken in the
+    cross-replica context, as Keras's LossScaleOptimizer does.
+    """
+    internal = require("tensorflow", "__internal__")
+    supports_no_merge_call = _method(internal.distribute, "strategy_supports_no_merge_call")
+    replica_ctx = tf.distribute.get_replica_context()
+    if replica_ctx is None or supports_no_merge_call():
+        tf.cond(condition, lambda: _no_output(apply(gradients)), _no_output)
+        return
+
+    def in_cross_replica(distribution, condition, gradients):
+        first = distribution.experimental_local_results(condition)[0]
+
+        def apply_on_every_tower():
+            distribution.extended.call_for_each_replica(apply, args=(gradients,))
+
+        tf.cond(first, apply_on_every_tower, _no_output)
+
+    replica_ctx.merge_call(in_cross_replica, args=(condition, gradients))
+
+
+def _no_output(*_):
+    return None
+
+
 def install_stock_fit_check(check):
     """Calls `check(model)` before stock Keras's `fit` runs a model (not a
     TowerModel, whose fit is kerastower's)."""

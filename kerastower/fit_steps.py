@@ -9,6 +9,7 @@ import numpy as np
 
 from kerastower import _compat
 from kerastower.callbacks.base import RunHooks
+from kerastower.engine import nonfinite
 from kerastower.engine import tf_step
 from kerastower.errors import InputSourceError
 from kerastower.loop import Iteration
@@ -41,22 +42,54 @@ class FitSteps(Iteration):
         self.function = model.make_train_function()
         self.logs = {}
         self._announced = False
+        self.failure = None
 
-    def start(self, skip_batches):
-        self.distributed = self.source.distribute(self.model.tower_strategy, skip_batches=skip_batches)
-        self.iterator = iter(self.distributed) if self.steps_per_epoch else None
+    def start(self, skip_batches, epoch_num):
+        strategy = self.model.tower_strategy
+        if self.steps_per_epoch:
+            self.distributed = self.source.distribute(strategy, skip_batches=skip_batches)
+            self.iterator = iter(self.distributed)
+            return
+        self.source.check_finite(strategy.num_towers)
+        self.distributed = self.source.distribute(strategy)
+        self.resumed_pass = None
+        if skip_batches is not None:
+            self.resumed_pass = (self.source.distribute(strategy, skip_batches=skip_batches),
+                                 list(skip_batches))
+        # Epoch e is the input's pass e-1, also in a resumed run: a pipeline
+        # that reshuffles every pass draws each pass's order when its
+        # iterator is made, so making (and dropping) those of the passes
+        # before puts a resumed run at the same order.
+        for _ in range(epoch_num - 1):
+            iter(self.distributed)
 
     def before_epoch(self, loop):
         self.model.reset_metrics()
-        if not self.steps_per_epoch:  # an epoch is one pass
-            self.iterator = iter(self.distributed)
-            loop.tower_batches = [0] * self.model.num_towers
         self.loop = loop
+        if self.steps_per_epoch:
+            return
+        # An epoch is one pass.
+        loop.tower_batches = [0] * self.model.num_towers
+        if self.resumed_pass is not None:
+            distributed, loop.tower_batches = self.resumed_pass
+            self.resumed_pass = None
+            self.iterator = iter(distributed)
+        else:
+            self.iterator = iter(self.distributed)
 
     def run(self, num_steps):
         self.run_hooks.before_run()
-        run = tf_step.run_steps(self.function, self.iterator, num_steps)
+        first = self.loop.global_step + 1
+        what = f"Training step {first}" + (f" (or up to {first + num_steps - 1})" if num_steps > 1 else "")
+        run = tf_step.run_steps(self.function, self.iterator, num_steps, what)
         self.run_hooks.after_run(run.logs)
+        steps = run.steps
+        if run.nonfinite_towers is not None:
+            # The failed step's batches were taken, but its update was not
+            # applied: the loop counts the steps before it, then ended_early
+            # raises.
+            steps -= 1
+            self.failure = (self.loop.global_step + run.steps, run.nonfinite_towers)
         if run.steps:
             # The step function's logs are the metrics read across towers
             # (and processes); the model's own read would be this process's.
@@ -65,9 +98,12 @@ class FitSteps(Iteration):
             self.loop.tower_batches = taken.tolist()
             self.loop.examples_seen += run.examples
             self._announce_total_batch(run.tower_examples)
-        return run.steps, self.logs
+        return steps, self.logs
 
     def ended_early(self, loop, step):
+        if self.failure is not None:
+            global_step, towers = self.failure
+            nonfinite.raise_for(global_step, towers, self.model.num_towers)
         if self.steps_per_epoch:
             raise InputSourceError(
                 f"The input ran out after {step} of steps_per_epoch="

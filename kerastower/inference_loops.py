@@ -10,6 +10,7 @@ import numpy as np
 import tensorflow as tf
 
 from kerastower import _compat
+from kerastower.engine import step_errors
 from kerastower.engine import tf_step
 from kerastower.errors import InputSourceError
 
@@ -27,13 +28,19 @@ def evaluate_loop(model, source, steps, callbacks):
     while not steps or step < steps:
         want = model.steps_per_execution if not steps else min(model.steps_per_execution, steps - step)
         callbacks.on_test_batch_begin(step)
-        run = tf_step.run_steps(test_function, iterator, want)
+        run = tf_step.run_steps(test_function, iterator, want, f"Evaluation step {step + 1}")
         if run.steps:
             logs = run.logs
             step += run.steps
             callbacks.on_test_batch_end(step - 1, logs)
         if run.steps < want or model.stop_evaluating:
             break
+    if step == 0:
+        raise InputSourceError(
+            "evaluate() got no batch: the input is empty (or a one-shot source "
+            "already used up), so there is nothing to measure. Pass data with at "
+            "least one example."
+        )
     logs = _compat.pythonify_logs(logs)
     callbacks.on_test_end(logs)
     return logs
@@ -52,7 +59,11 @@ def predict_loop(model, source, steps, callbacks):
         has_data, next_batches = strategy.next_step(iterator)
         if not bool(has_data):  # no tower has data left
             break
-        outputs = predict_function(next_batches())
+        try:
+            outputs = predict_function(next_batches())
+        except tf.errors.OpError as error:
+            failure = step_errors.explain(error, f"Prediction step {step + 1}")
+            raise failure from failure.__cause__
         batches.append(outputs)
         callbacks.on_predict_batch_end(step, {"outputs": outputs})
         step += 1
@@ -60,7 +71,10 @@ def predict_loop(model, source, steps, callbacks):
             break
     callbacks.on_predict_end()
     if not batches:
-        raise InputSourceError("predict() got no batch: the input is empty.")
+        raise InputSourceError(
+            "predict() got no batch: the input is empty (or a one-shot source "
+            "already used up). Pass data with at least one example."
+        )
     return tf.nest.map_structure(
         lambda *parts: np.concatenate([np.asarray(p) for p in parts], axis=0), *batches
     )

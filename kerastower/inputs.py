@@ -24,6 +24,7 @@ import inspect
 import numpy as np
 import tensorflow as tf
 
+from kerastower.engine import step_errors
 from kerastower.errors import InputSourceError
 
 __all__ = [
@@ -94,6 +95,18 @@ class InputSource:
     def element_spec(self, total):
         """The `tf.TensorSpec` structure of tower 0's batches."""
         return self.tower_dataset(TowerInputContext(0, total)).element_spec
+
+    def check_finite(self, total):
+        """Raises when the input never ends: an epoch that is one pass over
+        it (fit without steps_per_epoch) would never end."""
+        cardinality = int(self.tower_dataset(TowerInputContext(0, total)).cardinality())
+        if cardinality == int(tf.data.INFINITE_CARDINALITY):
+            raise InputSourceError(
+                f"The input ({type(self).__name__}) never ends (e.g. a dataset with "
+                ".repeat()), and fit was not given steps_per_epoch, so the first "
+                "epoch would never end. Pass steps_per_epoch (an epoch is then only "
+                "the period at which callbacks run), or drop the .repeat()."
+            )
 
     def steps(self, total):
         """Steps in one pass over the data with `total` towers, or None."""
@@ -219,9 +232,22 @@ class GeneratorInput(InputSource):
 
     def _tower_dataset(self, ctx):
         dataset = tf.data.Dataset.from_generator(
-            self._generator_fn, output_signature=self._signature
+            self._recording_errors, output_signature=self._signature
         )
         return dataset.prefetch(self._prefetch)
+
+    def _recording_errors(self):
+        # tf.data passes on only the text of an exception raised here; the
+        # step that fails gives the user the exception itself.
+        yielded = 0
+        try:
+            for item in self._generator_fn():
+                yield item
+                yielded += 1
+        except Exception as error:
+            name = getattr(self._generator_fn, "__qualname__", repr(self._generator_fn))
+            step_errors.record_generator_error(error, f"GeneratorInput({name})", yielded)
+            raise
 
 
 class DummyConstantInput(InputSource):

@@ -54,6 +54,8 @@ class LoopState:
         examples_seen: examples trained on by all towers, in this process.
         epoch_ended: True from the end of an epoch's last step until the
             next epoch begins (checkpoints written then resume at the next).
+        one_pass: True when an epoch is one pass over the input (fit without
+            steps_per_epoch).
         training_failed: True while the callbacks' after_train runs for a
             training that raised (not for StopTraining).
 
@@ -77,6 +79,7 @@ class LoopState:
         self.tower_batches = []
         self.examples_seen = 0
         self.epoch_ended = False
+        self.one_pass = False
         self.training_failed = False
 
     def __repr__(self):
@@ -96,9 +99,10 @@ class Iteration:
 
     steps_per_call = 1
 
-    def start(self, skip_batches):
-        """Before the first epoch: open the input, skipping `skip_batches`
-        (batches each tower took before a resume; None for a fresh start)."""
+    def start(self, skip_batches, epoch_num):
+        """Before the first epoch (`epoch_num`): open the input, skipping
+        `skip_batches` (batches each tower took before a resume, counted from
+        the pass's start when an epoch is one pass; None for a fresh start)."""
 
     def before_epoch(self, loop):
         """At the start of every epoch, before the callbacks' hooks."""
@@ -230,6 +234,7 @@ class MainLoop:
         loop.starting_epoch = starting_epoch
         loop.max_epoch = max_epoch
         loop.steps_per_epoch = steps_per_epoch or epoch_length
+        loop.one_pass = not steps_per_epoch
         loop.tower_batches = [0] * model.num_towers
         model.stop_training = False
         loop.training_failed = False
@@ -239,7 +244,7 @@ class MainLoop:
             callbacks.on_train_begin()
             epoch_num, first_step, skip = self._start_position(state, starting_epoch, steps_per_epoch)
             loop.starting_epoch = epoch_num
-            iteration.start(skip)
+            iteration.start(skip, epoch_num)
             for epoch_num in range(epoch_num, max_epoch + 1):
                 epoch_logs = self._run_epoch(iteration, epoch_num, first_step, steps_per_epoch)
                 first_step = 0

@@ -27,6 +27,8 @@ class ResumeState:
         num_towers: the number of towers then.
         epoch_ended: whether it was written after the epoch's last step
             (at its end), so that a resume starts the next one.
+        one_pass: whether an epoch was one pass over the input (no
+            steps_per_epoch); `tower_batches` then count from the pass's start.
         time: when it was written (seconds since the epoch).
     """
 
@@ -37,6 +39,7 @@ class ResumeState:
     tower_batches: list = dataclasses.field(default_factory=list)
     num_towers: int = 1
     epoch_ended: bool = False
+    one_pass: bool = False
     time: float = 0.0
 
     @classmethod
@@ -51,6 +54,7 @@ class ResumeState:
             tower_batches=list(loop.tower_batches),
             num_towers=model.num_towers,
             epoch_ended=loop.epoch_ended,
+            one_pass=loop.one_pass,
             time=time.time(),
         )
 
@@ -81,12 +85,18 @@ class ResumeState:
         With `steps_per_epoch` as when written: the next step of the same
         epoch, or the next epoch when that one had ended. With another epoch
         length: the next epoch, keeping the input position. When an epoch is
-        one pass over the data (steps_per_epoch None): the next epoch if the
-        pass had ended, else the interrupted epoch again from its start.
+        one pass over the data (steps_per_epoch None, then and now): the next
+        step of the interrupted pass, skipping the batches each tower took in
+        it, or the next epoch if the pass had ended. Switching between the
+        two kinds of epoch starts the next epoch on a fresh input.
         """
-        if steps_per_epoch is None:
-            return (self.epoch_num + 1 if self.epoch_ended else self.epoch_num), 0, None
         skip = list(self.tower_batches) if any(self.tower_batches) else None
+        if (steps_per_epoch is None) != self.one_pass:
+            return self.epoch_num + 1, 0, None
+        if steps_per_epoch is None:
+            if self.epoch_ended:
+                return self.epoch_num + 1, 0, None
+            return self.epoch_num, self.local_step, skip
         if self.steps_per_epoch != steps_per_epoch or self.local_step >= steps_per_epoch:
             return self.epoch_num + 1, 0, skip
         return self.epoch_num, self.local_step, skip

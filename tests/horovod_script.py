@@ -157,8 +157,26 @@ def train(out):
 
         # 5. An InferenceRunner runs on every rank, with the same results.
         results["inference"] = fit_with_inference_runner(out, rank)
+
+        # 6. A NaN in rank 1's second batch stops both ranks at step 2.
+        results["nonfinite"] = fit_with_a_nan_on_rank_1(rank)
     with open(os.path.join(out, f"results_rank{rank}.json"), "w") as f:
         json.dump(results, f)
+
+
+def fit_with_a_nan_on_rank_1(rank):
+    x, y = data()
+    if rank == 1:
+        x = x.copy()
+        x[3 * B + 3, 2] = np.nan  # batch 3: rank 1's batch of step 2
+    model = build()
+    try:
+        model.fit(tf.data.Dataset.from_tensor_slices((x, y)).batch(B), epochs=1, verbose=0)
+    except kt.errors.KerasTowerError as error:
+        return {"error": type(error).__name__, "step": error.global_step, "towers": error.towers,
+                "message": str(error), "loop_step": model.loop.global_step,
+                "finite": all(bool(np.isfinite(w).all()) for w in model.get_weights())}
+    return {"error": None}
 
 
 def die(out):

@@ -111,3 +111,14 @@ def test_horovod_missing_or_devices_given_is_a_clear_error(monkeypatch):
     monkeypatch.setitem(sys.modules, "horovod.tensorflow", None)
     with pytest.raises(kt.StrategyError, match="scripts/install-horovod.sh"):
         kt.distributed("horovod").strategy
+
+
+def test_a_nan_on_one_rank_stops_every_rank_at_that_step(trained):
+    _, ranks = trained
+    for rank, result in enumerate(ranks):
+        nonfinite = result["nonfinite"]
+        assert nonfinite["error"] == "NonFiniteError", nonfinite
+        assert (nonfinite["step"], nonfinite["loop_step"], nonfinite["finite"]) == (2, 1, True)
+        assert nonfinite["towers"] == ([1] if rank == 1 else [])
+    assert "on tower 1 of 2" in ranks[1]["nonfinite"]["message"]
+    assert "another process" in ranks[0]["nonfinite"]["message"]

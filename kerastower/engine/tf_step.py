@@ -22,10 +22,13 @@ import threading
 
 import warnings
 
+import keras
 import numpy as np
 import tensorflow as tf
 
 from kerastower import _compat
+from kerastower.engine import nonfinite
+from kerastower.engine import step_errors
 from kerastower.errors import PeerFailureError
 from kerastower.errors import TowerRuleError
 from kerastower.tower import TowerContext
@@ -50,11 +53,13 @@ def num_examples(data):
 
 
 StepsRun = collections.namedtuple(
-    "StepsRun", ["steps", "examples", "tower_examples", "tower_batches", "logs"]
+    "StepsRun", ["steps", "examples", "tower_examples", "tower_batches", "logs", "nonfinite_towers"]
 )
 StepsRun.__doc__ = """What one call of a step function did: steps run, examples
 over all towers, the last step's examples per tower, batches each tower took,
-and the logs (predictions, for predict)."""
+the logs (predictions, for predict), and None, or when the last step's
+gradients were not finite (its update skipped), the indices of this
+process's towers whose own gradients were not."""
 
 
 # -- gradients: weight, reduce, then apply -------------------------------------
@@ -77,12 +82,11 @@ def _weighted(gradient, variable, weight):
     return tf.math.multiply_no_nan(gradient, tf.cast(weight, gradient.dtype))
 
 
-def reduce_tower_gradients(strategy, ctx, gradients, variables, key):
-    """The example-weighted sum over towers of each variable's gradient;
-    None for a variable no tower has a gradient for."""
+def reduce_tower_gradients(strategy, ctx, gradients, weighted, key):
+    """The sum over towers of each variable's `weighted` gradient; None for a
+    variable no tower has a gradient for (`gradients` is None)."""
     with _presence_lock:
         _presence.setdefault(key, {})[ctx.index] = [g is not None for g in gradients]
-    weighted = [_weighted(g, v, ctx.example_weight) for g, v in zip(gradients, variables)]
     reduced = strategy.all_reduce_sum(weighted)
     # Every tower of this process has recorded its gradients by now: the
     # all-reduce above waited for all of them.
@@ -102,9 +106,9 @@ def apply_in_tower(optimizer, keras_apply, gradients, variables=None):
             f"The optimizer {optimizer.name!r} was first used inside a tower step, "
             "where it would create its slot variables once per tower. Build it "
             "before training, on the variables it updates: e.g. after compile(), "
-            f"`model.{optimizer.name}.build(model.<part>.trainable_variables)`, or in "
+            "`second_optimizer.build(model.<part>.trainable_variables)`, or in "
             "your model's compile() override. (The compiled `optimizer` is built "
-            "by kerastower on the model's trainable variables.)"
+            "by fit and kt.Trainer on the model's trainable variables.)"
         )
     variables = list(_compat.optimizer_variables(optimizer) if variables is None else variables)
     gradients = list(gradients)
@@ -113,15 +117,22 @@ def apply_in_tower(optimizer, keras_apply, gradients, variables=None):
             f"optimizer.apply got {len(gradients)} gradients for {len(variables)} variables."
         )
     key = (id(optimizer), tuple(id(v) for v in variables))
-    reduced = reduce_tower_gradients(ctx.strategy, ctx, gradients, variables, key)
+    weighted = [_weighted(g, v, ctx.example_weight) for g, v in zip(gradients, variables)]
+    reduced = reduce_tower_gradients(ctx.strategy, ctx, gradients, weighted, key)
     pairs = [(g, v) for g, v in zip(reduced, variables) if g is not None]
     if not pairs:
         raise ValueError(
             "No gradient reached any variable the optimizer updates: does the loss "
             f"depend on them? Variables: {[v.path for v in variables]}"
         )
+    reduced, variables = [g for g, _ in pairs], [v for _, v in pairs]
     with _compat.gradients_already_reduced():
-        return keras_apply(optimizer, [g for g, _ in pairs], [v for _, v in pairs])
+        if isinstance(optimizer, keras.optimizers.LossScaleOptimizer):
+            # It skips a non-finite step itself and lowers its scale.
+            return keras_apply(optimizer, reduced, variables)
+        finite = nonfinite.all_finite(reduced)
+        nonfinite.record(ctx, finite, weighted)
+        _compat.apply_if(finite, lambda grads: keras_apply(optimizer, grads, variables), reduced)
 
 
 _compat.install_tower_patches(apply_in_tower)
@@ -305,14 +316,14 @@ def make_step_function(model, tower_step, mode):
             # The logs are the metrics read across towers, not these outputs
             # (which an idle tower does not have).
             outputs = None
-        return outputs, examples
+        return outputs, examples, nonfinite.tower_health(ctx)
 
     def run_towers(data):
-        outputs, examples = strategy.run(tower_fn, args=(data,))
-        return outputs, strategy.gather_tower_scalars(examples)
+        outputs, examples, health = strategy.run(tower_fn, args=(data,))
+        return outputs, strategy.gather_tower_scalars(examples), health
 
     def predict_function(data):
-        outputs, _ = run_towers(data)
+        outputs, _, _ = run_towers(data)
         return tf.nest.map_structure(strategy.concat_tower_outputs, outputs)
 
     def function(iterator, num_steps):
@@ -320,20 +331,25 @@ def make_step_function(model, tower_step, mode):
         examples = tf.constant(0)
         tower_examples = tf.zeros([strategy.num_towers], tf.int32)
         tower_batches = tf.zeros([strategy.num_towers], tf.int32)
+        finite = tf.constant(True)
+        bad_towers = tf.zeros([strategy.num_towers], tf.int32)
         # An optional tells "no data left for any tower" (stop) from a last
         # step where only some towers got a batch (run it).
         for _ in tf.range(num_steps):
             has_data, next_batches = strategy.next_step(iterator)
             if not has_data:
                 break
-            _, tower_examples = run_towers(next_batches())
+            _, tower_examples, per_tower = run_towers(next_batches())
             examples += tf.reduce_sum(tower_examples)
             tower_batches += tf.cast(tower_examples > 0, tf.int32)
             steps += 1
+            finite, bad_towers = nonfinite.step_health(strategy, per_tower)
+            if not finite:
+                break
         # Metrics read across towers sum every tower's totals and counts:
         # the logs are example-weighted over towers.
         logs = strategy.metrics_result(model)
-        return steps, examples, tower_examples, tower_batches, logs
+        return steps, examples, tower_examples, tower_batches, logs, (finite, bad_towers)
 
     step_function = predict_function if mode == "predict" else function
     if not model.run_eagerly:
@@ -341,14 +357,16 @@ def make_step_function(model, tower_step, mode):
     return step_function
 
 
-def run_steps(function, iterator, num_steps):
-    """Runs up to `num_steps` steps of a step function; returns a StepsRun."""
+def run_steps(function, iterator, num_steps, what="step"):
+    """Runs up to `num_steps` steps of a step function; returns a StepsRun.
+
+    `what` names the steps in errors (e.g. "Training step 12")."""
     try:
-        steps, examples, tower_examples, tower_batches, outputs = function(
+        steps, examples, tower_examples, tower_batches, outputs, health = function(
             iterator, tf.constant(num_steps)
         )
     except tf.errors.OutOfRangeError:
-        return StepsRun(0, 0, None, 0, None)
+        return StepsRun(0, 0, None, 0, None, None)
     except tf.errors.UnavailableError as error:
         raise PeerFailureError(
             "Another worker of this training stopped responding (it died or "
@@ -356,6 +374,11 @@ def run_steps(function, iterator, num_steps):
             "all workers; with kt.callbacks.AutoResume they go on from the "
             f"last checkpoint. TensorFlow said: {error.message.splitlines()[0]}"
         ) from error
+    except tf.errors.OpError as error:
+        failure = step_errors.explain(error, what)
+        raise failure from failure.__cause__
+    finite, bad_towers = health
     return StepsRun(
         int(steps), int(examples), tower_examples, np.asarray(tower_batches, np.int64), outputs,
+        None if bool(finite) else np.flatnonzero(np.asarray(bad_towers)).tolist(),
     )

@@ -286,6 +286,7 @@ class Trainer:
                 self._setup()
             self._is_set_up = True
         self._check_optimizers_are_on_the_model()
+        self._build_compiled_optimizer()
         callbacks = training_callbacks(
             self.model, callbacks, verbose, logdir, epochs=max_epoch, steps=steps_per_epoch
         )
@@ -299,6 +300,14 @@ class Trainer:
             self.model.loop = fit_loop
             self._iterator = None
         return self.model.history
+
+    def _build_compiled_optimizer(self):
+        # As fit does: the optimizer given to compile() updates the model's
+        # trainable variables; its slots must exist before any tower runs.
+        optimizer = getattr(self.model, "optimizer", None)
+        if optimizer is not None and not optimizer.built and self.model.built:
+            with self.strategy.scope():
+                optimizer.build(self.model.trainable_variables)
 
     def _check_optimizers_are_on_the_model(self):
         saved = training_optimizers(self.model)
@@ -335,7 +344,7 @@ class _RunSteps(Iteration):
     def __init__(self, trainer):
         self.trainer = trainer
 
-    def start(self, skip_batches):
+    def start(self, skip_batches, epoch_num):
         trainer = self.trainer
         if trainer.input is not None:
             trainer._iterator = iter(trainer.input.distribute(trainer.strategy, skip_batches=skip_batches))

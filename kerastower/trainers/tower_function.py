@@ -7,8 +7,10 @@ dict of results is reduced over towers (weighted mean, sum, or a list).
 
 import functools
 
+import numpy as np
 import tensorflow as tf
 
+from kerastower.engine import nonfinite
 from kerastower.errors import KerasTowerError
 from kerastower.model import TowerModel
 
@@ -56,9 +58,16 @@ class TowerFunction:
         return model
 
     def __call__(self, *args):
+        model = self._model()
         if self._compiled is None:
-            self._compiled = self._make(self._model())
-        return self._compiled(*args)
+            self._compiled = self._make(model)
+        outputs, (finite, bad_towers) = self._compiled(*args)
+        if not bool(finite):
+            nonfinite.raise_for(
+                model.loop.global_step + 1, np.flatnonzero(np.asarray(bad_towers)).tolist(),
+                model.num_towers,
+            )
+        return outputs
 
     def _make(self, model):
         strategy = model.tower_strategy
@@ -67,15 +76,16 @@ class TowerFunction:
 
         def in_tower(*args):
             examples = _batch_size(args[0]) if args else None
-            with model.tower_scope(self.training, name, examples=examples):
+            with model.tower_scope(self.training, name, examples=examples) as ctx:
                 outputs = self.fn(*args)
+            health = nonfinite.tower_health(ctx)
             if not isinstance(outputs, dict):
                 raise KerasTowerError(
                     f"tower_function {name!r} must return a dict of values to "
                     f"reduce over towers; got {type(outputs).__name__}."
                 )
             if reduce != "mean":
-                return outputs, tf.constant(1.0, tf.float64)
+                return outputs, tf.constant(1.0, tf.float64), health
             if args and examples is None:
                 raise KerasTowerError(
                     f"tower_function {name!r} with reduce=\"mean\" weights each tower's "
@@ -84,17 +94,18 @@ class TowerFunction:
                     "reduce=\"sum\" or None."
                 )
             weight = tf.cast(1 if examples is None else examples, tf.float64)
-            return {k: tf.cast(v, tf.float64) * weight for k, v in outputs.items()}, weight
+            return {k: tf.cast(v, tf.float64) * weight for k, v in outputs.items()}, weight, health
 
         def run(*args):
-            outputs, weights = strategy.run(in_tower, args=args)
+            outputs, weights, health = strategy.run(in_tower, args=args)
+            health = nonfinite.step_health(strategy, health)
             if reduce is None:
-                return {k: strategy.tower_values(v) for k, v in outputs.items()}
+                return {k: strategy.tower_values(v) for k, v in outputs.items()}, health
             sums = {k: strategy.sum_over_towers(v) for k, v in outputs.items()}
             if reduce == "mean":
                 total = strategy.sum_over_towers(weights)
                 sums = {k: tf.math.divide_no_nan(v, total) for k, v in sums.items()}
-            return sums
+            return sums, health
 
         if model.run_eagerly:
             return run

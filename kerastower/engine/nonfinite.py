@@ -1,0 +1,98 @@
+"""Non-finite steps: a NaN or Inf gradient on any tower ends training.
+
+Inside a training tower, `optimizer.apply` checks the reduced gradients.
+When any value is NaN or Inf (a non-finite loss makes its gradients
+non-finite), the update is skipped on every tower, the step function stops
+after that step, and the loop raises `NonFiniteError` naming the step and
+the towers whose own gradients were not finite. The weights stay those of
+the last good step, so nothing non-finite reaches a checkpoint.
+
+`keras.optimizers.LossScaleOptimizer` is left alone: it skips such a step
+itself, lowers its loss scale and goes on (the loop counts the step).
+"""
+
+import tensorflow as tf
+
+from kerastower.errors import KerasTowerError
+
+__all__ = [
+    "NonFiniteError", "all_finite", "record", "tower_health", "step_health", "raise_for",
+]
+
+
+class NonFiniteError(KerasTowerError, FloatingPointError):
+    """A training step's loss or gradients held NaN or Inf.
+
+    Attributes:
+        global_step: the 1-based number of the step that failed (its update
+            was not applied; the weights are those after the step before).
+        towers: the indices of this process's towers whose gradients were
+            not finite (empty when only another process's were).
+    """
+
+    def __init__(self, message, global_step, towers):
+        super().__init__(message)
+        self.global_step = global_step
+        self.towers = towers
+
+
+def all_finite(tensors):
+    """Whether every value of `tensors` (dense or IndexedSlices) is finite."""
+    flags = [
+        tf.reduce_all(tf.math.is_finite(t.values if isinstance(t, tf.IndexedSlices) else t))
+        for t in tensors
+    ]
+    return tf.reduce_all(tf.stack(flags)) if flags else tf.constant(True)
+
+
+def record(ctx, step_finite, tower_gradients):
+    """Notes on the tower's context whether the step's reduced gradients
+    (`step_finite`) and the tower's own (weighted) ones were finite. The
+    tower's own are only checked when the step's were not."""
+    own = tf.cond(step_finite, lambda: tf.constant(True), lambda: all_finite(tower_gradients))
+    previous = getattr(ctx, "nonfinite_flags", None)
+    if previous is not None:
+        step_finite = tf.logical_and(previous[0], step_finite)
+        own = tf.logical_and(previous[1], own)
+    ctx.nonfinite_flags = (step_finite, own)
+
+
+def tower_health(ctx):
+    """(tower index, step finite, this tower's gradients finite) for a tower
+    that has run its step: finite when it applied no gradients."""
+    flags = getattr(ctx, "nonfinite_flags", None)
+    if flags is None:
+        flags = (tf.constant(True), tf.constant(True))
+    return (tf.constant(ctx.index),) + tuple(flags)
+
+
+def step_health(strategy, per_tower):
+    """(step finite, int32 vector by tower index: 1 where this process's
+    tower had non-finite gradients), from the towers' `tower_health`
+    results (with their indices) as `strategy.run` returned them. Reads
+    this process's towers only: no collective is spent on it."""
+    index, step_finite, own_finite = (tf.stack(strategy.tower_values(v)) for v in per_tower)
+    bad_towers = tf.scatter_nd(
+        index[:, None], tf.cast(tf.logical_not(own_finite), tf.int32), [strategy.num_towers]
+    )
+    return tf.reduce_all(step_finite), bad_towers
+
+
+def raise_for(global_step, bad_towers, num_towers):
+    """Raises NonFiniteError for the step `global_step` (1-based), whose
+    non-finite gradients came from this process's `bad_towers`."""
+    if bad_towers:
+        plural = "s" if len(bad_towers) > 1 else ""
+        where = f"on tower{plural} {', '.join(map(str, bad_towers))} of {num_towers}"
+    else:
+        where = "on a tower of another process"
+    raise NonFiniteError(
+        f"Training step {global_step} produced NaN or Inf gradients {where}; its "
+        "update was skipped and training stopped (the weights are those after step "
+        f"{global_step - 1}). Look for a non-finite loss (log of 0, division by "
+        "zero, a too-high learning rate) or bad input values in that step's "
+        "batch. For mixed precision, keras.optimizers.LossScaleOptimizer skips "
+        "such steps instead of stopping.",
+        global_step,
+        list(bad_towers),
+    )

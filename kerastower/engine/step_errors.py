@@ -1,0 +1,94 @@
+"""What a user sees when a compiled step fails: their own error, chained.
+
+TensorFlow reports an error raised inside a step function (a label out of
+range, a Python generator's exception) as an `OpError` whose message holds
+one "root error" per tower, node names and "0 derived errors ignored".
+`explain` turns it into a `StepFailedError` that names the step and the
+towers and gives the root error first, chained to TensorFlow's error; an
+exception a `GeneratorInput` generator raised is chained itself, so that
+`except MyError` in user code still sees it as the cause.
+"""
+
+import re
+import threading
+
+from kerastower.errors import KerasTowerError
+
+__all__ = ["StepFailedError", "record_generator_error", "explain"]
+
+
+class StepFailedError(KerasTowerError):
+    """A training, evaluation or prediction step failed inside TensorFlow.
+
+    `__cause__` is the user's own exception when a GeneratorInput's
+    generator raised, else TensorFlow's error.
+    """
+
+
+_generator_errors = []
+_lock = threading.Lock()
+
+
+def record_generator_error(error, source_name, items_yielded):
+    """Called by GeneratorInput when its generator raises (in tf.data's
+    thread): remembers the exception for `explain`."""
+    with _lock:
+        _generator_errors.append((error, source_name, items_yielded))
+
+
+def _take_generator_error():
+    with _lock:
+        found = _generator_errors[0] if _generator_errors else None
+        _generator_errors.clear()
+    return found
+
+
+_ROOT = re.compile(r"^\s*\((\d+)\)\s+([A-Z_]+):\s*(.*)$")
+_REPLICA = re.compile(r"replica_(\d+)")
+
+
+def _root_errors(message):
+    """[(status, first line, tower index or None)] of an OpError's message."""
+    lines = message.splitlines()
+    found = []
+    for number, line in enumerate(lines):
+        match = _ROOT.match(line)
+        if not match:
+            continue
+        detail = " ".join(lines[number + 1:number + 3])
+        tower = _REPLICA.search(detail)
+        found.append((match.group(2), match.group(3).strip(),
+                      int(tower.group(1)) if tower else None))
+    return found
+
+
+def explain(error, what):
+    """A StepFailedError for the OpError `error` raised by `what` (e.g.
+    "training step 12"); the caller raises it."""
+    recorded = _take_generator_error()
+    if recorded is not None:
+        cause, source_name, yielded = recorded
+        return _chained(StepFailedError(
+            f"{what} failed: the generator of {source_name} raised "
+            f"{type(cause).__name__}: {cause} (after yielding {yielded} batches in "
+            "this pass). Fix the generator; the exception is this error's cause."
+        ), cause)
+    roots = _root_errors(error.message)
+    if roots:
+        towers = sorted({t for _, _, t in roots if t is not None})
+        status, first, _ = roots[0]
+        where = f" on tower{'s' if len(towers) > 1 else ''} {', '.join(map(str, towers))}" if towers else ""
+        summary = f"{status}: {first}"
+    else:
+        where = ""
+        summary = f"{type(error).__name__}: {error.message.strip().splitlines()[0]}"
+    return _chained(StepFailedError(
+        f"{what} failed{where}: {summary}\n(TensorFlow's full error is this error's "
+        "cause. An error about a label, shape or dtype usually means the input's "
+        "y does not fit the model's outputs or loss.)"
+    ), error)
+
+
+def _chained(new_error, cause):
+    new_error.__cause__ = cause
+    return new_error
