@@ -179,6 +179,18 @@ def fit_with_a_nan_on_rank_1(rank):
     return {"error": None}
 
 
+def assert_a_nan_stopped_every_process(results):
+    """What fit_with_a_nan_on_rank_1 returned on each process: every one
+    stopped at step 2, finite, and the one whose tower failed names it."""
+    for rank, result in enumerate(results):
+        nonfinite = result["nonfinite"]
+        assert nonfinite["error"] == "NonFiniteError", nonfinite
+        assert (nonfinite["step"], nonfinite["loop_step"], nonfinite["finite"]) == (2, 1, True)
+        assert nonfinite["towers"] == ([1] if rank == 1 else [])
+    assert "on tower 1 of 2" in results[1]["nonfinite"]["message"]
+    assert "another process" in results[0]["nonfinite"]["message"]
+
+
 def die(out):
     with kt.distributed("horovod") as tower_strategy:
         rank = tower_strategy.tower_index()

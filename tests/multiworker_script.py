@@ -36,6 +36,7 @@ def main(out):
         "history": history.history,
         "evaluate": model.evaluate(x, y, batch_size=5, verbose=0, return_dict=True),
         "predict_rows": int(model.predict(x, batch_size=5, verbose=0).shape[0]),
+        "nonfinite": shared.fit_with_a_nan_on_rank_1(worker),
     }
     with open(os.path.join(out, f"results_worker{worker}.json"), "w") as f:
         json.dump(result, f)

@@ -114,11 +114,6 @@ def test_horovod_missing_or_devices_given_is_a_clear_error(monkeypatch):
 
 
 def test_a_nan_on_one_rank_stops_every_rank_at_that_step(trained):
-    _, ranks = trained
-    for rank, result in enumerate(ranks):
-        nonfinite = result["nonfinite"]
-        assert nonfinite["error"] == "NonFiniteError", nonfinite
-        assert (nonfinite["step"], nonfinite["loop_step"], nonfinite["finite"]) == (2, 1, True)
-        assert nonfinite["towers"] == ([1] if rank == 1 else [])
-    assert "on tower 1 of 2" in ranks[1]["nonfinite"]["message"]
-    assert "another process" in ranks[0]["nonfinite"]["message"]
+    import horovod_script as script
+
+    script.assert_a_nan_stopped_every_process(trained[1])

@@ -102,3 +102,9 @@ def test_towers_in_index_order_hold_a_steps_batches_in_input_order(workers, loca
         for s in range(steps) for w in range(workers) for i in range(local_towers)
     ]
     assert in_tower_order == list(range(steps * towers))
+
+
+def test_a_nan_on_one_worker_stops_every_worker_at_that_step(workers):
+    import horovod_script as shared
+
+    shared.assert_a_nan_stopped_every_process(workers[1])
