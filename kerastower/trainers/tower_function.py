@@ -11,6 +11,7 @@ import numpy as np
 import tensorflow as tf
 
 from kerastower.engine import nonfinite
+from kerastower.engine import step_errors
 from kerastower.errors import KerasTowerError
 from kerastower.model import TowerModel
 
@@ -61,11 +62,17 @@ class TowerFunction:
         model = self._model()
         if self._compiled is None:
             self._compiled = self._make(model)
-        outputs, (finite, bad_towers) = self._compiled(*args)
+        step = model.loop.global_step + 1
+        try:
+            outputs, (finite, bad_towers) = self._compiled(*args)
+        except tf.errors.OutOfRangeError:
+            raise  # the end of the input, for the trainer to handle
+        except tf.errors.OpError as error:
+            failure = step_errors.explain(error, f"Step {step} (tower_function {self.__name__!r})")
+            raise failure from failure.__cause__
         if not bool(finite):
             nonfinite.raise_for(
-                model.loop.global_step + 1, np.flatnonzero(np.asarray(bad_towers)).tolist(),
-                model.num_towers,
+                step, np.flatnonzero(np.asarray(bad_towers)).tolist(), model.num_towers
             )
         return outputs
 
