@@ -14,9 +14,14 @@ def train():
 from kerastower import callbacks
 from kerastower import checkpoint
 from kerastower import functional as _functional  # registers the saved-model classes
+from kerastower.errors import ArgumentError
+from kerastower.errors import DataMismatchError
 from kerastower.errors import InputSourceError
 from kerastower.errors import KerasTowerError
+from kerastower.errors import MonitorWriteWarning
+from kerastower.errors import NonFiniteError
 from kerastower.errors import PeerFailureError
+from kerastower.errors import StepFailedError
 from kerastower.errors import StrategyError
 from kerastower.errors import TowerRuleError
 from kerastower.inputs import DatasetInput
@@ -43,20 +48,29 @@ from kerastower.trainers import Trainer
 __version__ = "0.1.0"
 
 __all__ = [
+    "ArgumentError",
     "callbacks",
     "checkpoint",
+    "DataMismatchError",
     "DatasetInput",
+    "distributed",
     "DummyConstantInput",
     "GANModel",
     "GANTrainer",
     "GeneratorInput",
+    "get_current_tower_context",
     "InputSource",
     "InputSourceError",
     "KerasTowerError",
     "LoopState",
+    "MonitorWriteWarning",
+    "NonFiniteError",
     "PeerFailureError",
+    "register_strategy",
     "SeparateGANTrainer",
+    "StepFailedError",
     "StopTraining",
+    "strategy_names",
     "StrategyError",
     "TowerContext",
     "TowerInputContext",
@@ -64,8 +78,4 @@ __all__ = [
     "TowerRuleError",
     "TowerStrategy",
     "Trainer",
-    "distributed",
-    "get_current_tower_context",
-    "register_strategy",
-    "strategy_names",
 ]

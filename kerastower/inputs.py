@@ -24,6 +24,7 @@ import inspect
 import numpy as np
 import tensorflow as tf
 
+from kerastower.arguments import integer
 from kerastower.engine import step_errors
 from kerastower.errors import InputSourceError
 
@@ -374,13 +375,9 @@ def as_input_source(x, y=None, sample_weight=None, batch_size=None, shuffle=Fals
             )
         return x if isinstance(x, InputSource) else DatasetInput(x)
     if _is_array(x):
-        if batch_size is None:
-            batch_size = 32
-        if not isinstance(batch_size, (int, np.integer)) or batch_size < 1:
-            raise InputSourceError(
-                f"batch_size (per tower) must be a positive int; got {batch_size!r}."
-            )
-        batch_size = int(batch_size)
+        batch_size = 32 if batch_size is None else integer(
+            batch_size, "batch_size (per tower)", "kerastower", minimum=1
+        )
         return _ArrayInput(x, y, sample_weight, batch_size, shuffle, repeat)
     if isinstance(x, tf.distribute.DistributedDataset) or hasattr(
         x, "_input_workers"

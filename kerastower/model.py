@@ -24,14 +24,14 @@ step and runs the tower step (`train_step`, `test_step`, `predict_step`) on it.
 import warnings
 
 import keras
-import numpy as np
 import tensorflow as tf
 
 from kerastower import _compat
+from kerastower import arguments
+from kerastower import batch_checks
 from kerastower import strategies
 from kerastower import inference_loops
 from kerastower.engine import tf_step
-from kerastower.errors import InputSourceError
 from kerastower.errors import TowerRuleError
 from kerastower.inputs import as_input_source
 from kerastower.fit_steps import FitSteps
@@ -140,6 +140,7 @@ class TowerModel(keras.Model):
     def compile(self, *args, jit_compile="auto", **kwargs):
         """As `keras.Model.compile`. TowerModel steps run without XLA:
         `jit_compile=True` warns and is not applied."""
+        kwargs = arguments.compile_kwargs(kwargs)
         if jit_compile is True:
             warnings.warn(
                 "kerastower: jit_compile=True is not applied; TowerModel steps "
@@ -216,14 +217,15 @@ class TowerModel(keras.Model):
         variables = self.trainable_weights
 
         def forward_backward():
-            with tf.GradientTape() as tape:
-                y_pred = self._call_tower(x, training=True)
-                loss = self.tower_loss(x, y, y_pred, sample_weight, training=True)
-                # An empty batch has a NaN mean loss; it must count as zero.
-                loss = tf.where(num_examples > 0, loss, tf.zeros_like(loss))
-                scaled_loss = self.optimizer.scale_loss(loss)
-            _compat.loss_tracker(self).update_state(loss, sample_weight=num_examples)
-            self.compute_metrics(x, y, y_pred, sample_weight=sample_weight)
+            with batch_checks.checked_step(self, "train", x, y) as check:
+                with tf.GradientTape() as tape:
+                    y_pred = check.outputs(self._call_tower(x, training=True))
+                    loss = self.tower_loss(x, y, y_pred, sample_weight, training=True)
+                    # An empty batch has a NaN mean loss; it must count as zero.
+                    loss = tf.where(num_examples > 0, loss, tf.zeros_like(loss))
+                    scaled_loss = self.optimizer.scale_loss(loss)
+                _compat.loss_tracker(self).update_state(loss, sample_weight=num_examples)
+                self.compute_metrics(x, y, y_pred, sample_weight=sample_weight)
             return tape.gradient(scaled_loss, variables)
 
         gradients = tf_step.gradients_unless_empty(self, forward_backward, num_examples, variables)
@@ -234,11 +236,12 @@ class TowerModel(keras.Model):
         """One tower's evaluation step on its own batch `data`."""
         x, y, sample_weight = _compat.unpack_x_y_sample_weight(data)
         num_examples = tf_step.num_examples(data)
-        y_pred = self._call_tower(x, training=False)
-        loss = self.tower_loss(x, y, y_pred, sample_weight, training=False)
-        loss = tf.where(num_examples > 0, loss, tf.zeros_like(loss))
-        _compat.loss_tracker(self).update_state(loss, sample_weight=num_examples)
-        return self.compute_metrics(x, y, y_pred, sample_weight=sample_weight)
+        with batch_checks.checked_step(self, "test", x, y) as check:
+            y_pred = check.outputs(self._call_tower(x, training=False))
+            loss = self.tower_loss(x, y, y_pred, sample_weight, training=False)
+            loss = tf.where(num_examples > 0, loss, tf.zeros_like(loss))
+            _compat.loss_tracker(self).update_state(loss, sample_weight=num_examples)
+            return self.compute_metrics(x, y, y_pred, sample_weight=sample_weight)
 
     def predict_step(self, data):
         """One tower's predictions for its own batch `data`."""
@@ -266,20 +269,12 @@ class TowerModel(keras.Model):
     # ------------------------------------------------------------------
     # fit / evaluate / predict
 
-    def _build_for(self, source, with_targets=True):
+    def _build_for(self, source, with_targets=True, step=None):
         """Creates every variable (layers, metrics, optimizer slots) from the
-        spec of tower 0's batches, so that no tower step creates one."""
-        spec = source.element_spec(self.num_towers)
-        with self._tower_strategy.scope():
-            if with_targets:
-                _compat.symbolic_build(self, spec)
-            elif not all(layer.built for layer in _compat.flatten_layers(self)):
-                x, _, _ = _compat.unpack_x_y_sample_weight(spec)
-                x = tf.nest.map_structure(
-                    lambda s: keras.KerasTensor(s.shape, s.dtype.name), x
-                )
-                _compat.compute_output_spec(self._call_tower, x, training=False)
-        self._step_cache.local_weights = None
+        spec of tower 0's batches, so that no tower step creates one; a batch
+        that does not fit the model raises a DataMismatchError naming `step`
+        ("train", "test", "predict"). See `batch_checks.build_for`."""
+        batch_checks.build_for(self, source, with_targets, step)
 
     def fit(
         self,
@@ -311,53 +306,35 @@ class TowerModel(keras.Model):
         """
         _compat.assert_compile_called(self, "fit")
         check_strategy(self, "fit")
-        if validation_split and validation_data is None:
-            (x, y, sample_weight), validation_data = _compat.train_validation_split(
-                (x, y, sample_weight), validation_split=validation_split
-            )
-        if class_weight is not None:
-            if sample_weight is not None:
-                raise InputSourceError(
-                    "class_weight and sample_weight cannot both be given (as in "
-                    "Keras): fold the class weights into sample_weight."
-                )
-            if not isinstance(y, np.ndarray):
-                raise InputSourceError(
-                    "class_weight works with numpy arrays; for a dataset, add "
-                    "per-example weights as its third element instead."
-                )
-            sample_weight = _compat.class_weight_to_sample_weights(y, class_weight)
+        (batch_size, epochs, verbose, initial_epoch, steps_per_epoch, validation_steps,
+         validation_batch_size, validation_freq) = arguments.fit_integers(
+            batch_size, epochs, verbose, initial_epoch, steps_per_epoch, validation_steps,
+            validation_batch_size, validation_freq)
+        x, y, sample_weight, validation_data = arguments.fit_data(
+            x, y, sample_weight, class_weight, validation_split, validation_data)
         source = as_input_source(
             x, y, sample_weight, batch_size, shuffle, repeat=bool(steps_per_epoch)
         )
         validation = None
         if validation_data is not None:
             validation = {
-                "source": self._validation_source(validation_data, validation_batch_size or batch_size),
+                "source": arguments.validation_source(
+                    validation_data, validation_batch_size or batch_size),
                 "steps": validation_steps,
                 "freq": validation_freq,
             }
-        self._build_for(source)
+        self._build_for(source, step="train")
         epoch_length = steps_per_epoch or source.steps(self.num_towers)
         callbacks = training_callbacks(self, callbacks, verbose, logdir, epochs, epoch_length)
         if self.loop.global_step == 0 and self.optimizer is not None:
             # A model trained or loaded by Keras before goes on counting.
             self.loop.global_step = int(self.optimizer.iterations.numpy())
         steps = FitSteps(self, source, callbacks, steps_per_epoch, validation, verbose)
-        MainLoop(self, self.loop, callbacks, "fit").run(
-            steps, initial_epoch + 1, epochs, steps_per_epoch, epoch_length=epoch_length
-        )
-        return self.history
-
-    def _validation_source(self, validation_data, batch_size):
-        if isinstance(validation_data, (tuple, list)) and not isinstance(
-            validation_data[0], (tf.data.Dataset,)
-        ):
-            val_x, val_y, val_w = _compat.unpack_x_y_sample_weight(
-                tuple(validation_data)
+        with batch_checks.original_errors():
+            MainLoop(self, self.loop, callbacks, "fit").run(
+                steps, initial_epoch + 1, epochs, steps_per_epoch, epoch_length=epoch_length
             )
-            return as_input_source(val_x, val_y, val_w, batch_size)
-        return as_input_source(validation_data)
+        return self.history
 
     def evaluate(
         self,
@@ -377,19 +354,13 @@ class TowerModel(keras.Model):
             raise ValueError(f"Arguments not recognized: {kwargs}")
         _compat.assert_compile_called(self, "evaluate")
         check_strategy(self, "evaluate")
+        batch_size, steps, verbose = arguments.inference_integers("evaluate", batch_size, steps, verbose)
         source = as_input_source(x, y, sample_weight, batch_size)
         if not from_fit:
-            self._build_for(source)
-        if not isinstance(callbacks, keras.callbacks.CallbackList):
-            callbacks = keras.callbacks.CallbackList(
-                callbacks,
-                add_progbar=verbose != 0,
-                verbose=verbose,
-                epochs=1,
-                steps=steps or source.steps(self.num_towers),
-                model=self,
-            )
-        logs = inference_loops.evaluate_loop(self, source, steps, callbacks)
+            self._build_for(source, step="test")
+        callbacks = arguments.inference_callbacks(self, callbacks, verbose, steps, source)
+        with batch_checks.original_errors():
+            logs = inference_loops.evaluate_loop(self, source, steps, callbacks)
         if return_dict:
             return logs
         return _compat.flatten_metrics_in_order(self, logs)
@@ -401,17 +372,10 @@ class TowerModel(keras.Model):
         concatenating the towers' outputs step by step restores the order.
         """
         check_strategy(self, "predict")
+        batch_size, steps, verbose = arguments.inference_integers("predict", batch_size, steps, verbose)
         source = as_input_source(x, batch_size=batch_size)
         self._build_for(source, with_targets=False)
-        if not isinstance(callbacks, keras.callbacks.CallbackList):
-            callbacks = keras.callbacks.CallbackList(
-                callbacks,
-                add_progbar=verbose != 0,
-                verbose=verbose,
-                epochs=1,
-                steps=steps or source.steps(self.num_towers),
-                model=self,
-            )
+        callbacks = arguments.inference_callbacks(self, callbacks, verbose, steps, source)
         return inference_loops.predict_loop(self, source, steps, callbacks)
 
     def _no_single_batch(self, method, instead):

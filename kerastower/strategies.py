@@ -27,6 +27,8 @@ import keras
 import tensorflow as tf
 
 from kerastower import _compat
+from kerastower.devices import local_devices
+from kerastower.devices import parse_devices
 from kerastower.errors import StrategyError
 
 __all__ = [
@@ -222,7 +224,7 @@ def _default_devices():
 def _make_single(devices):
     if devices is None:
         return TowerStrategy("single", tf.distribute.get_strategy())
-    devices = list(devices)
+    devices = local_devices(devices, "single")
     if len(devices) != 1:
         raise StrategyError(
             f'"single" runs one tower on one device; got devices={devices}. '
@@ -232,7 +234,7 @@ def _make_single(devices):
 
 
 def _make_mirrored(devices):
-    devices = list(devices) if devices is not None else _default_devices()
+    devices = local_devices(devices, "mirrored") if devices is not None else _default_devices()
     cross_ops = None
     if not any("GPU" in d.upper() for d in devices):
         # NCCL needs GPUs; on CPU devices a plain reduction is the only choice.
@@ -316,7 +318,10 @@ class distributed:
             "central" (raises: CentralStorageStrategy does not work with
             Keras 3; the error says why).
         devices: device names, e.g. ["/gpu:0", "/gpu:1"]; default: all GPUs,
-            or all logical CPU devices when there is no GPU.
+            or all logical CPU devices when there is no GPU. A name that does
+            not parse, or names a device twice, raises `StrategyError` here;
+            a device this process lacks raises it when the strategy is made
+            (entering the block), before anything runs on it.
 
     Example:
 
@@ -336,8 +341,9 @@ class distributed:
                 + ", ".join(repr(n) for n in strategy_names())
                 + "."
             )
+        parsed = parse_devices(devices, name)
         self.name = name
-        self.devices = None if devices is None else list(devices)
+        self.devices = None if parsed is None else [given for given, _ in parsed]
         self._strategy = None
         self._scopes = []
 

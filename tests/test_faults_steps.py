@@ -10,8 +10,8 @@ import tensorflow as tf
 
 import kerastower as kt
 from conftest import TWO, id_data
-from kerastower.engine.nonfinite import NonFiniteError
-from kerastower.engine.step_errors import StepFailedError
+from kerastower.errors import NonFiniteError
+from kerastower.errors import StepFailedError
 
 
 def _regression_model(optimizer, steps_per_execution=1):

@@ -14,6 +14,11 @@
 ThroughputTracker unless the list already has them. The kt monitors add,
 print or write when triggered (by default, at every epoch end), so a
 `PeriodicTrigger` or `EnableCallbackIf` around one chooses when.
+
+Monitors never stop training: when JSONWriter or TensorBoard cannot write
+(the log folder is a file, cannot be created, or the disk is full), each
+warns once with a `kt.errors.MonitorWriteWarning` naming the path and the
+error, and training, the other callbacks and checkpoints go on.
 """
 
 import json
@@ -25,7 +30,12 @@ import keras
 import tensorflow as tf
 
 from kerastower import _compat
+from kerastower.arguments import integer
 from kerastower.callbacks.base import Callback
+from kerastower.callbacks.write_guard import WRITE_ERRORS
+from kerastower.callbacks.write_guard import GuardedSummary
+from kerastower.callbacks.write_guard import WriteFailures
+from kerastower.callbacks.write_guard import never_raising_a_write_error
 
 __all__ = [
     "ProgressBar",
@@ -138,29 +148,54 @@ class JSONWriter(Callback):
         super().__init__()
         self.logdir = logdir
         self.records = []
+        self._failures = WriteFailures("JSONWriter")
+        self._writable = True
 
     @property
     def path(self):
         return os.path.join(self.logdir, self.FILENAME)
 
     def _before_train(self):
-        os.makedirs(self.logdir, exist_ok=True)
         self.records = []
-        if os.path.exists(self.path):
-            with open(self.path) as f:
-                previous = json.load(f)
-            # Records past the step training resumes from belong to a run
-            # that was lost; they are replaced by the ones to come.
-            self.records = [r for r in previous if r["global_step"] <= self.global_step]
+        self._failures.reset()
+        self._writable = True
+        try:
+            os.makedirs(self.logdir, exist_ok=True)
+            previous = self._previous_records()
+        except (OSError, ValueError) as error:
+            # Writing now would lose the records of the run this resumes.
+            self._writable = False
+            self._failures.failed(error, self.path)
+            return
+        # Records past the step training resumes from belong to a run
+        # that was lost; they are replaced by the ones to come.
+        self.records = [r for r in previous if r["global_step"] <= self.global_step]
+
+    def _previous_records(self):
+        if not os.path.exists(self.path):
+            return []
+        with open(self.path) as f:
+            return json.load(f)
 
     def _trigger(self):
         record = {"epoch_num": self.epoch_num, "global_step": self.global_step}
         record.update({k: float(v) for k, v in (self.logs or {}).items()})
         self.records.append(record)
+        if not self._writable:
+            return
         staging = self.path + ".writing"
-        with open(staging, "w") as f:
-            json.dump(self.records, f, indent=1)
-        os.replace(staging, self.path)
+        try:
+            with open(staging, "w") as f:
+                json.dump(self.records, f, indent=1)
+            os.replace(staging, self.path)
+        except OSError as error:
+            # The records stay in memory: a later trigger that can write
+            # writes them all.
+            self._failures.failed(error, self.path)
+            try:
+                os.remove(staging)
+            except OSError:
+                pass
 
 
 class TensorBoard(keras.callbacks.TensorBoard):
@@ -171,14 +206,33 @@ class TensorBoard(keras.callbacks.TensorBoard):
     Keras's count of batch hooks: with `steps_per_execution=k` the scalars
     are at the steps the hooks ran after, and a resumed run goes on from
     the step it resumed at. An integer `update_freq=n` writes after the
-    calls that reach a multiple of n steps.
+    calls that reach a multiple of n steps. When it cannot write `log_dir`,
+    it warns once and writes nothing more in that run (see the module
+    docstring).
     """
 
     chief_only = True
 
     def __init__(self, log_dir="logs", update_freq="batch", **kwargs):
+        if not (isinstance(update_freq, str) and update_freq in ("batch", "epoch")):
+            update_freq = integer(update_freq, 'update_freq (or "batch", "epoch")',
+                                  "TensorBoard", minimum=1)
         super().__init__(log_dir=log_dir, update_freq=update_freq, **kwargs)
         self._last_written_step = 0
+        self._failures = WriteFailures("TensorBoard")
+        self._guarded_summary = GuardedSummary(self._failures, self.log_dir)
+
+    @property
+    def summary(self):
+        # Keras's TensorBoard makes its writers and writes through this.
+        return self._guarded_summary
+
+    def set_model(self, model):
+        self._failures.reset()
+        try:
+            super().set_model(model)
+        except WRITE_ERRORS as error:
+            self._failures.failed(error, self.log_dir)
 
     def on_train_begin(self, logs=None):
         super().on_train_begin(logs)
@@ -198,6 +252,16 @@ class TensorBoard(keras.callbacks.TensorBoard):
         self._last_written_step = step
         with tf.summary.record_if(due):
             super().on_train_batch_end(batch, logs)
+
+
+# After a failed write the hooks still run (they pop the writers they
+# pushed), but write nothing: GuardedSummary's writers and summaries stop.
+for _hook in (
+    "on_train_begin", "on_train_end", "on_epoch_begin", "on_epoch_end",
+    "on_train_batch_begin", "on_train_batch_end", "on_test_begin", "on_test_end",
+    "on_test_batch_begin", "on_test_batch_end",
+):
+    setattr(TensorBoard, _hook, never_raising_a_write_error(getattr(TensorBoard, _hook)))
 
 
 class PeakMemoryTracker(Callback):

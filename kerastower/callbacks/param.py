@@ -23,6 +23,7 @@ baked into the traced step, so naming one raises an error that says so.
 import keras
 import numpy as np
 
+from kerastower.arguments import integer
 from kerastower.callbacks.base import Callback
 
 __all__ = [
@@ -145,7 +146,12 @@ class ScheduledHyperParamSetter(HyperParamSetter):
 
     def __init__(self, param, schedule, interp=None, step_based=False):
         super().__init__(param)
-        points = [(int(t), float(v)) for t, v in schedule]
+        unit = "step" if step_based else "epoch"
+        points = []
+        for point in schedule:
+            when, value = point
+            points.append((integer(when, f"the {unit} of schedule point {point!r}",
+                                   "ScheduledHyperParamSetter", minimum=0), float(value)))
         if not points or points != sorted(points, key=lambda p: p[0]):
             raise ValueError(
                 f"ScheduledHyperParamSetter needs a non-empty schedule sorted by "
@@ -207,7 +213,7 @@ class StatMonitorParamSetter(HyperParamSetter):
         self.stat = stat
         self.value_func = value_func
         self.threshold = float(threshold)
-        self.last_k = int(last_k)
+        self.last_k = integer(last_k, "last_k", "StatMonitorParamSetter", minimum=1)
         self.reverse = reverse
         self.history = []
         self._last_changed_epoch = 0

@@ -26,6 +26,7 @@ when training completes, not when it fails.
 
 import keras
 
+from kerastower.arguments import integer
 from kerastower.callbacks.base import Callback
 
 __all__ = ["PeriodicTrigger", "EnableCallbackIf", "ProxyCallback"]
@@ -196,19 +197,20 @@ class PeriodicTrigger(ProxyCallback):
     Args:
         callback: a `kt.callbacks.Callback`, triggered with `trigger()`, or a
             `keras.callbacks.Callback`, triggered with `on_epoch_end`.
-        every_k_steps: trigger after global steps divisible by k.
+        every_k_steps: trigger after global steps divisible by k (an int,
+            numpy ints too).
         every_k_epochs: trigger at the end of epochs divisible by k.
     """
 
     def __init__(self, callback, every_k_steps=None, every_k_epochs=None):
         super().__init__(callback)
-        for name, value in (("every_k_steps", every_k_steps), ("every_k_epochs", every_k_epochs)):
-            if value is not None and (not isinstance(value, int) or value < 1):
-                raise ValueError(f"PeriodicTrigger: {name} must be a positive int; got {value!r}.")
         if every_k_steps is None and every_k_epochs is None:
             raise ValueError("PeriodicTrigger needs every_k_steps or every_k_epochs (or both).")
-        self.every_k_steps = every_k_steps
-        self.every_k_epochs = every_k_epochs
+        # numpy integers count as ints; a bool, float or str raises ArgumentError.
+        self.every_k_steps = integer(every_k_steps, "every_k_steps", "PeriodicTrigger",
+                                     minimum=1, none_ok=True)
+        self.every_k_epochs = integer(every_k_epochs, "every_k_epochs", "PeriodicTrigger",
+                                      minimum=1, none_ok=True)
         self._last_seen_step = 0
         self._last_triggered_step = None
 

@@ -13,27 +13,11 @@ itself, lowers its loss scale and goes on (the loop counts the step).
 
 import tensorflow as tf
 
-from kerastower.errors import KerasTowerError
+from kerastower.errors import NonFiniteError
 
 __all__ = [
-    "NonFiniteError", "all_finite", "record", "tower_health", "step_health", "raise_for",
+    "all_finite", "record", "tower_health", "step_health", "raise_for",
 ]
-
-
-class NonFiniteError(KerasTowerError, FloatingPointError):
-    """A training step's loss or gradients held NaN or Inf.
-
-    Attributes:
-        global_step: the 1-based number of the step that failed (its update
-            was not applied; the weights are those after the step before).
-        towers: the indices of this process's towers whose gradients were
-            not finite (empty when only another process's were).
-    """
-
-    def __init__(self, message, global_step, towers):
-        super().__init__(message)
-        self.global_step = global_step
-        self.towers = towers
 
 
 def all_finite(tensors):

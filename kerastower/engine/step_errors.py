@@ -12,17 +12,9 @@ exception a `GeneratorInput` generator raised is chained itself, so that
 import re
 import threading
 
-from kerastower.errors import KerasTowerError
+from kerastower.errors import StepFailedError
 
-__all__ = ["StepFailedError", "record_generator_error", "explain"]
-
-
-class StepFailedError(KerasTowerError):
-    """A training, evaluation or prediction step failed inside TensorFlow.
-
-    `__cause__` is the user's own exception when a GeneratorInput's
-    generator raised, else TensorFlow's error.
-    """
+__all__ = ["record_generator_error", "explain"]
 
 
 _generator_errors = []

@@ -53,6 +53,7 @@ import numpy as np
 import tensorflow as tf
 
 from kerastower import _compat
+from kerastower.arguments import integer
 from kerastower.engine.tf_step import num_examples
 from kerastower.errors import InputSourceError
 from kerastower.errors import KerasTowerError
@@ -280,7 +281,9 @@ class Trainer:
             verbose: 0 hides the progress bar.
             logdir: adds TensorBoard, JSONWriter and ThroughputTracker there.
         """
-        steps_per_epoch = self._check_loop_arguments(steps_per_epoch, starting_epoch, max_epoch)
+        steps_per_epoch, starting_epoch, max_epoch = self._check_loop_arguments(
+            steps_per_epoch, starting_epoch, max_epoch
+        )
         if not self._is_set_up:
             with self.strategy.scope():
                 self._setup()
@@ -320,21 +323,11 @@ class Trainer:
                 )
 
     def _check_loop_arguments(self, steps_per_epoch, starting_epoch, max_epoch):
-        if not isinstance(steps_per_epoch, (int, np.integer)) or steps_per_epoch < 1:
-            raise ValueError(
-                f"{type(self).__name__}.train: steps_per_epoch must be a positive "
-                f"int (iterations between epoch callbacks); got {steps_per_epoch!r}."
-            )
-        if not isinstance(starting_epoch, int) or starting_epoch < 1:
-            raise ValueError(
-                f"{type(self).__name__}.train: starting_epoch is 1-based; got {starting_epoch!r}."
-            )
-        if not isinstance(max_epoch, int) or max_epoch < starting_epoch - 1:
-            raise ValueError(
-                f"{type(self).__name__}.train: max_epoch must be an int >= "
-                f"starting_epoch - 1 = {starting_epoch - 1}; got {max_epoch!r}."
-            )
-        return int(steps_per_epoch)
+        owner = f"{type(self).__name__}.train"
+        steps_per_epoch = integer(steps_per_epoch, "steps_per_epoch", owner, minimum=1)
+        starting_epoch = integer(starting_epoch, "starting_epoch (1-based)", owner, minimum=1)
+        max_epoch = integer(max_epoch, "max_epoch", owner, minimum=starting_epoch - 1)
+        return steps_per_epoch, starting_epoch, max_epoch
 
 
 class _RunSteps(Iteration):

@@ -24,6 +24,7 @@ import keras
 import tensorflow as tf
 
 from kerastower import _compat
+from kerastower.arguments import integer
 from kerastower.engine.tf_step import num_examples
 from kerastower.model import TowerModel
 from kerastower.trainers.base import Trainer
@@ -206,9 +207,8 @@ class SeparateGANTrainer(GANTrainer):
     """
 
     def __init__(self, model, input, d_period=1, g_period=1):
-        for name, value in (("d_period", d_period), ("g_period", g_period)):
-            if not isinstance(value, int) or value < 1:
-                raise ValueError(f"SeparateGANTrainer: {name} must be a positive int; got {value!r}.")
+        d_period = integer(d_period, "d_period", "SeparateGANTrainer", minimum=1)
+        g_period = integer(g_period, "g_period", "SeparateGANTrainer", minimum=1)
         super().__init__(model, input)
         self.d_period = d_period
         self.g_period = g_period
