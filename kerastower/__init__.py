@@ -14,6 +14,7 @@ def train():
 from kerastower import callbacks
 from kerastower import checkpoint
 from kerastower import functional as _functional  # registers the saved-model classes
+from kerastower.devices import use_cpu_towers
 from kerastower.errors import ArgumentError
 from kerastower.errors import DataMismatchError
 from kerastower.errors import InputSourceError
@@ -78,4 +79,5 @@ __all__ = [
     "TowerRuleError",
     "TowerStrategy",
     "Trainer",
+    "use_cpu_towers",
 ]

@@ -14,9 +14,10 @@ there are, instead of hanging or silently placing a tower elsewhere.
 
 import tensorflow as tf
 
+from kerastower.arguments import integer
 from kerastower.errors import StrategyError
 
-__all__ = ["parse_devices", "local_devices"]
+__all__ = ["use_cpu_towers", "parse_devices", "local_devices"]
 
 HOW_TO_MAKE_CPU_DEVICES = (
     "To split one CPU into N logical devices, run this at the start of the program, "
@@ -24,6 +25,39 @@ HOW_TO_MAKE_CPU_DEVICES = (
     'tf.config.list_physical_devices("CPU")[0], '
     "[tf.config.LogicalDeviceConfiguration() for _ in range(N)])."
 )
+
+
+def use_cpu_towers(num_towers):
+    """Splits the CPU into `num_towers` logical devices; returns their names.
+
+    For several towers on a machine without GPUs (tests, examples, trying
+    things out). Call it first thing, before TensorFlow runs any op; when
+    TensorFlow has already made at least `num_towers` CPU devices, it
+    returns the first ones.
+
+    ```python
+    import kerastower as kt
+
+    devices = kt.use_cpu_towers(2)          # ["/cpu:0", "/cpu:1"]
+    strategy = kt.distributed("mirrored", devices=devices)
+    ```
+    """
+    num_towers = integer(num_towers, "num_towers", "use_cpu_towers", minimum=1)
+    cpu = tf.config.list_physical_devices("CPU")[0]
+    try:
+        tf.config.set_logical_device_configuration(
+            cpu, [tf.config.LogicalDeviceConfiguration() for _ in range(num_towers)]
+        )
+    except RuntimeError:  # TensorFlow has started: its devices are fixed
+        made = tf.config.list_logical_devices("CPU")
+        if len(made) < num_towers:
+            raise StrategyError(
+                f"use_cpu_towers({num_towers}): TensorFlow has already started with "
+                f"{len(made)} CPU device(s), and its devices cannot change after it "
+                "starts. Call kt.use_cpu_towers first thing in the program, before any "
+                "TensorFlow op (creating a model or a tensor starts TensorFlow)."
+            ) from None
+    return [f"/cpu:{index}" for index in range(num_towers)]
 
 
 def _logical_devices():

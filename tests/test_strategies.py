@@ -105,3 +105,30 @@ def test_two_switches_of_the_same_kind_are_told_apart_in_the_error():
     with kt.distributed("mirrored", devices=TWO):
         with pytest.raises(kt.StrategyError, match="another object of the same kind"):
             model.fit(x, y, verbose=0)
+
+
+_CPU_TOWERS_SCRIPT = """
+import keras, numpy as np, kerastower as kt
+devices = kt.use_cpu_towers(2)
+with kt.distributed("mirrored", devices=devices) as strategy:
+    inputs = keras.Input((3,))
+    model = kt.TowerModel(inputs, keras.layers.Dense(1)(inputs))
+    model.compile(optimizer="sgd", loss="mse")
+    model.fit(np.ones((8, 3), "float32"), np.ones((8, 1), "float32"), batch_size=2, verbose=0)
+assert strategy.num_towers == 2 and model.optimizer.iterations.numpy() == 2, devices
+assert kt.use_cpu_towers(2) == devices  # TensorFlow has started: the same devices
+try:
+    kt.use_cpu_towers(3)
+except kt.StrategyError as error:
+    print("REFUSED:", error)
+"""
+
+
+def test_use_cpu_towers_splits_the_cpu_in_a_fresh_process():
+    import subprocess
+    import sys
+
+    result = subprocess.run([sys.executable, "-c", _CPU_TOWERS_SCRIPT], capture_output=True,
+                            text=True, timeout=120)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "REFUSED: use_cpu_towers(3): TensorFlow has already started with 2 CPU" in result.stdout
