@@ -1,95 +1,265 @@
-"""Checkpoints that a kill can never leave half-written.
+"""Checkpoints that a kill can never leave half-written, restored by name.
 
 A checkpoint is a folder `ckpt-<global_step>` inside the checkpoint directory:
 
     ckpt-00000120/
-        variables.index, variables.data-*   model variables (random-number
-                                            states included) and the slots of
-                                            every optimizer
-        state.json                          loop state and input position
+        variables.index, variables.data-00000-of-00001
+                        every variable a run carries, each under its key
+                        (kerastower/checkpoint_keys.py): the model's
+                        (seed-generator states included) and every
+                        optimizer's (slots, step counters)
+        state.json      loop state and input position (kerastower/resume.py)
+        manifest.json   size and sha256 of every file above; per variable its
+                        key, Keras path, shape, dtype and whether all its
+                        values were finite; retention data (ModelSaver); and
+                        a sha256 of the manifest itself
 
-It is written under a temporary name and renamed into place, and only
-folders holding `state.json` count, so a checkpoint is either whole or absent.
+It is written under a temporary name, fsynced, and renamed into place
+(kerastower/checkpoint_files.py). A checkpoint counts only when its manifest
+is there and verifies: every file has the size and sha256 it lists, and
+every variable was finite. A checkpoint whose variables hold NaN or Inf is
+never written.
+
+Restoring matches variables by key, so reordering layers in the code loads
+each weight where it belongs. Variables the model has and the checkpoint
+lacks, the other way round, or of another shape or dtype raise
+`CheckpointMismatchError` listing them, unless `allow_partial=True`, which
+restores the rest and warns about them.
 """
 
 import json
 import os
-import re
-import shutil
-import tempfile
+import warnings
 
+import numpy as np
 import tensorflow as tf
 
+from kerastower import checkpoint_files
+from kerastower.checkpoint_files import DamagedCheckpointError
+from kerastower.checkpoint_keys import keyed_variables
 from kerastower.errors import KerasTowerError
-from kerastower.strategies import training_optimizers
 
-__all__ = ["write_checkpoint", "read_checkpoint", "list_checkpoints", "latest_checkpoint"]
+__all__ = [
+    "write_checkpoint", "read_checkpoint", "restore_latest", "list_checkpoints",
+    "latest_checkpoint", "verify_checkpoint", "clean_up", "DamagedCheckpointError",
+    "NonFiniteCheckpointError", "CheckpointMismatchError",
+]
 
-_NAME = re.compile(r"^ckpt-(\d+)$")
-_STATE = "state.json"
+_VARIABLES = "variables"
 
 
-def _trackable(model):
-    # Explicit lists, matched by position: Keras's seed-generator states are
-    # not in TensorFlow's object graph of the model.
-    return tf.train.Checkpoint(
-        model_variables=[v.value for v in model.variables],
-        optimizer_variables=[
-            v.value for optimizer in training_optimizers(model) for v in optimizer.variables
-        ],
-    )
+class NonFiniteCheckpointError(KerasTowerError):
+    """The variables to checkpoint hold NaN or Inf; nothing was written.
+
+    Attributes:
+        global_step: the step of the checkpoint that was refused.
+        variables: the keys of the variables that were not finite.
+    """
+
+    def __init__(self, global_step, variables):
+        shown = ", ".join(variables[:5])
+        if len(variables) > 5:
+            shown += f" and {len(variables) - 5} more"
+        hold = "variables hold" if len(variables) > 1 else "variable holds"
+        super().__init__(
+            f"No checkpoint was written for global step {global_step}: {len(variables)} "
+            f"{hold} NaN or Inf ({shown}). The older, finite checkpoints are kept; "
+            "resume from one, e.g. with a lower learning rate or gradient clipping."
+        )
+        self.global_step = global_step
+        self.variables = variables
+
+
+class CheckpointMismatchError(KerasTowerError):
+    """A checkpoint's variables do not fit the model's.
+
+    Attributes:
+        missing: [(key, shape)] the model has and the checkpoint lacks.
+        unexpected: [(key, shape)] the checkpoint has and the model lacks.
+        reshaped: [(key, saved shape and dtype, model shape and dtype)].
+    """
+
+    def __init__(self, path, missing, unexpected, reshaped):
+        super().__init__(
+            f"The checkpoint {path} does not fit this model:"
+            f"{_describe(missing, unexpected, reshaped)}\n"
+            "Build the same model (layer names decide where weights go), point the "
+            "checkpoint directory elsewhere, or pass allow_partial=True to restore the "
+            "variables that fit and keep the others as they are."
+        )
+        self.missing = missing
+        self.unexpected = unexpected
+        self.reshaped = reshaped
+
+
+def _describe(missing, unexpected, reshaped):
+    lines = []
+    if missing:
+        lines.append("\n  missing from the checkpoint (the model has them): "
+                     + ", ".join(f"{key} {shape}" for key, shape in missing))
+    if unexpected:
+        lines.append("\n  extra in the checkpoint (the model lacks them): "
+                     + ", ".join(f"{key} {shape}" for key, shape in unexpected))
+    if reshaped:
+        lines.append("\n  another shape or dtype: " + ", ".join(
+            f"{key} saved {saved}, model {now}" for key, saved, now in reshaped))
+    return "".join(lines)
 
 
 def list_checkpoints(directory):
-    """Complete checkpoints in `directory`, oldest first, as (step, path)."""
-    if not os.path.isdir(directory):
-        return []
-    found = []
-    for name in os.listdir(directory):
-        match = _NAME.match(name)
-        path = os.path.join(directory, name)
-        if match and os.path.isfile(os.path.join(path, _STATE)):
-            found.append((int(match.group(1)), path))
-    return sorted(found)
+    """Every checkpoint folder `ckpt-<step>` in `directory`, intact or not,
+    oldest first, as (step, path); `verify_checkpoint` says which are intact."""
+    found = {}
+    for step, path in checkpoint_files.candidates(directory):
+        found[step] = path  # ckpt-N comes after ckpt-N.previous
+    return sorted(found.items())
+
+
+def verify_checkpoint(path):
+    """The manifest of the checkpoint at `path` if it is complete, intact and
+    finite; else raises DamagedCheckpointError saying why."""
+    return checkpoint_files.verify(path)
 
 
 def latest_checkpoint(directory):
-    """The path of the newest complete checkpoint in `directory`, or None."""
-    found = list_checkpoints(directory)
-    return found[-1][1] if found else None
+    """The path of the newest intact checkpoint in `directory`, or None."""
+    for _, path in reversed(checkpoint_files.candidates(directory)):
+        try:
+            checkpoint_files.verify(path)
+            return path
+        except DamagedCheckpointError:
+            continue
+    return None
 
 
-def write_checkpoint(directory, model, state):
-    """Writes the model, its optimizer and `state` (a JSON-able dict) as
-    `ckpt-<global_step>`; returns its path."""
-    os.makedirs(directory, exist_ok=True)
-    final = os.path.join(directory, f"ckpt-{state['global_step']:08d}")
-    staging = tempfile.mkdtemp(prefix=".writing-", dir=directory)
-    try:
-        _trackable(model).write(os.path.join(staging, "variables"))
-        with open(os.path.join(staging, _STATE), "w") as f:
+def clean_up(directory):
+    """Removes the temporary folders killed writes left in `directory`;
+    returns the paths removed. One process writes a directory at a time."""
+    return checkpoint_files.clean_up(directory)
+
+
+def _numpy(variable):
+    """The value of a (possibly mirrored) variable, on the host."""
+    return tf.convert_to_tensor(variable.value).numpy()
+
+
+def _all_finite(value):
+    return not tf.as_dtype(value.dtype).is_floating or bool(np.isfinite(value).all())
+
+
+def write_checkpoint(directory, model, state, retention=None):
+    """Writes the variables of `model` and its optimizers, and `state` (a
+    JSON-able dict with a `global_step`), as `ckpt-<global_step>`; returns
+    its path. `retention` (JSON-able) goes into the manifest. Raises
+    NonFiniteCheckpointError, writing nothing, when a variable holds NaN or Inf."""
+    step = int(state["global_step"])
+    keyed = keyed_variables(model)
+    values = [_numpy(v) for _, _, v in keyed]
+    finite = [_all_finite(value) for value in values]
+    bad = [key for (key, _, _), ok in zip(keyed, finite) if not ok]
+    if bad:
+        raise NonFiniteCheckpointError(step, bad)
+
+    def fill(folder):
+        with tf.device("CPU:0"):
+            tf.raw_ops.SaveV2(
+                prefix=os.path.join(folder, _VARIABLES),
+                tensor_names=[key for key, _, _ in keyed],
+                shape_and_slices=[""] * len(keyed),
+                tensors=values,
+            )
+        with open(os.path.join(folder, checkpoint_files.STATE), "w") as f:
             json.dump(state, f, indent=1, sort_keys=True)
-            f.flush()
-            os.fsync(f.fileno())
-        if os.path.exists(final):
-            shutil.rmtree(final)
-        os.rename(staging, final)
-    except BaseException:
-        shutil.rmtree(staging, ignore_errors=True)
-        raise
-    return final
+
+    fields = {
+        "variables": [
+            {"key": key, "path": path, "shape": list(value.shape),
+             "dtype": tf.as_dtype(value.dtype).name, "finite": ok}
+            for (key, path, _), value, ok in zip(keyed, values, finite)
+        ],
+        "retention": retention or {},
+    }
+    return checkpoint_files.commit(directory, step, fill, fields)
 
 
-def read_checkpoint(path, model):
-    """Restores the model and optimizer from `path`; returns its state dict."""
-    with open(os.path.join(path, _STATE)) as f:
+def _match(manifest, keyed):
+    """(pairs of (key, variable) to restore, missing, unexpected, reshaped)."""
+    saved = {v["key"]: v for v in manifest["variables"]}
+    pairs, missing, reshaped = [], [], []
+    for key, _, variable in keyed:
+        shape, dtype = list(variable.shape), tf.as_dtype(variable.dtype).name
+        if key not in saved:
+            missing.append((key, tuple(shape)))
+        elif (saved[key]["shape"], saved[key]["dtype"]) != (shape, dtype):
+            reshaped.append((key, f"{tuple(saved[key]['shape'])} {saved[key]['dtype']}",
+                             f"{tuple(shape)} {dtype}"))
+        else:
+            pairs.append((key, variable))
+    known = {key for key, _, _ in keyed}
+    unexpected = [
+        (v["key"], tuple(v["shape"])) for v in manifest["variables"] if v["key"] not in known
+    ]
+    return pairs, missing, unexpected, reshaped
+
+
+def read_checkpoint(path, model, allow_partial=False):
+    """Restores the model and its optimizers from the checkpoint at `path`,
+    matching variables by key; returns its state dict.
+
+    Raises DamagedCheckpointError (nothing restored) when the checkpoint is
+    incomplete, damaged or holds NaN/Inf, and CheckpointMismatchError when
+    the variables do not fit, unless `allow_partial`, which restores those
+    that fit and warns about the others.
+    """
+    manifest = checkpoint_files.verify(path)
+    with open(os.path.join(path, checkpoint_files.STATE)) as f:
         state = json.load(f)
+    pairs, missing, unexpected, reshaped = _match(manifest, keyed_variables(model))
+    if missing or unexpected or reshaped:
+        if not allow_partial:
+            raise CheckpointMismatchError(path, missing, unexpected, reshaped)
+        warnings.warn(
+            f"kerastower: partial restore from {path} (allow_partial=True); not restored:"
+            f"{_describe(missing, unexpected, reshaped)}",
+            stacklevel=2,
+        )
     try:
-        _trackable(model).read(os.path.join(path, "variables")).assert_consumed()
-    except (AssertionError, ValueError, tf.errors.OpError) as error:
-        raise KerasTowerError(
-            f"The checkpoint {path} does not fit this model ({error}). It was "
-            "written by a model with other layers or another optimizer; point "
-            "the checkpoint directory elsewhere or build the same model."
-        ) from None
+        reader = tf.train.load_checkpoint(os.path.join(path, _VARIABLES))
+        values = [(key, variable, reader.get_tensor(key)) for key, variable in pairs]
+    except (tf.errors.OpError, ValueError) as error:
+        raise DamagedCheckpointError(path, f"unreadable variables ({error})") from None
+    bad = [key for key, _, value in values if not _all_finite(value)]
+    if bad:
+        raise DamagedCheckpointError(
+            path, f"non-finite values (NaN or Inf) in {', '.join(bad[:5])}"
+        )
+    for _, variable, value in values:
+        variable.assign(value)
     return state
+
+
+def restore_latest(directory, model, allow_partial=False):
+    """Restores the newest intact checkpoint in `directory`; returns (path,
+    state dict), or (None, None) when there is no checkpoint.
+
+    Each damaged, incomplete or non-finite checkpoint on the way is skipped
+    with a warning saying why; when there are checkpoints and none is
+    intact, raises a KerasTowerError naming each and its reason.
+    """
+    skipped = []
+    for _, path in reversed(checkpoint_files.candidates(directory)):
+        try:
+            return path, read_checkpoint(path, model, allow_partial=allow_partial)
+        except DamagedCheckpointError as error:
+            skipped.append((path, error.reason))
+            warnings.warn(
+                f"kerastower: skipping the checkpoint {path}: {error.reason}; trying an older one.",
+                stacklevel=2,
+            )
+    if skipped:
+        listing = "".join(f"\n  {path}: {reason}" for path, reason in skipped)
+        raise KerasTowerError(
+            f"No intact checkpoint in {directory}; every one is damaged:{listing}\n"
+            "Restore one from a backup, or move them away to start training from scratch."
+        )
+    return None, None

@@ -69,10 +69,15 @@ def test_a_half_written_checkpoint_is_ignored(tmp_path):
     ckpt_dir = str(tmp_path / "ckpt")
     with pytest.raises(Stop):
         _train(ckpt_dir, [StopAt(7)])
-    # A save killed midway leaves a staging folder and no state.json.
+    # A save killed midway leaves a staging folder; a folder without a
+    # manifest (copied in, or by an older version) is no checkpoint.
     os.makedirs(os.path.join(ckpt_dir, ".writing-abc"))
     os.makedirs(os.path.join(ckpt_dir, "ckpt-00000099"))
     assert kt.checkpoint.latest_checkpoint(ckpt_dir).endswith("ckpt-00000006")
+    with pytest.raises(kt.checkpoint.DamagedCheckpointError, match="missing manifest.json"):
+        kt.checkpoint.verify_checkpoint(os.path.join(ckpt_dir, "ckpt-00000099"))
+    kt.checkpoint.clean_up(ckpt_dir)
+    assert ".writing-abc" not in os.listdir(ckpt_dir)
 
 
 def test_min_and_max_savers_keep_the_best_model(two_towers, tmp_path):

@@ -188,3 +188,24 @@ def test_evaluate_and_predict_on_an_empty_input_raise(two_towers, method):
         (np.zeros((0, 4), "float32"), np.zeros((0, 1), "float32"))).batch(4)
     with pytest.raises(kt.errors.InputSourceError, match=f"{method}\\(\\) got no batch"):
         getattr(model, method)(empty, verbose=0)
+
+
+def test_a_checkpoint_that_cannot_be_written_stops_training_saying_what_is_kept(two_towers, tmp_path):
+    ckpt_dir, moved = str(tmp_path / "ckpt"), str(tmp_path / "moved")
+
+    class FolderTurnsIntoAFile(keras.callbacks.Callback):
+        def on_train_batch_end(self, batch, logs=None):
+            if self.model.loop.global_step == 2:
+                os.rename(ckpt_dir, moved)
+                with open(ckpt_dir, "w") as f:
+                    f.write("not a folder")
+
+    x, y = _regression_data()
+    model = _regression_model("sgd")
+    saver = kt.callbacks.PeriodicTrigger(kt.callbacks.ModelSaver(ckpt_dir), every_k_steps=1)
+    with pytest.raises(kt.KerasTowerError, match="could not write the checkpoint of global step 3") as caught:
+        model.fit(x, y, batch_size=4, epochs=1, verbose=0, callbacks=[saver, FolderTurnsIntoAFile()])
+    assert isinstance(caught.value.__cause__, OSError)
+    assert [step for step, _ in kt.checkpoint.list_checkpoints(moved)] == [1, 2]
+    for _, path in kt.checkpoint.list_checkpoints(moved):
+        kt.checkpoint.verify_checkpoint(path)

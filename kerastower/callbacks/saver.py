@@ -4,7 +4,7 @@
 import kerastower as kt
 
 callbacks = [
-    kt.callbacks.AutoResume("ckpt"),                 # restores the latest checkpoint, if any
+    kt.callbacks.AutoResume("ckpt"),                 # restores the newest intact checkpoint, if any
     kt.callbacks.ModelSaver("ckpt", max_to_keep=3),  # at the end of every epoch
     kt.callbacks.PeriodicTrigger(kt.callbacks.ModelSaver("ckpt"), every_k_steps=500),
     kt.callbacks.MinSaver("val_loss", "best"),       # keeps the best model seen
@@ -13,17 +13,23 @@ callbacks = [
 
 A checkpoint holds the weights, the optimizer's slots and step counter, the
 random-number states, the loop state (epoch, steps) and the input position
-(batches each tower took), in a folder written under a temporary name and
-renamed into place (`kerastower/checkpoint.py`): a kill during a save leaves
-the previous checkpoint as the latest.
+(batches each tower took), with a manifest of checksums, in a folder written
+under a temporary name and renamed into place (`kerastower/checkpoint.py`):
+a kill during a save leaves the previous checkpoint as the newest, and a
+damaged checkpoint is skipped for the one before it.
 """
 
 import os
-import shutil
 import time
+import warnings
+
+import tensorflow as tf
 
 from kerastower import checkpoint
+from kerastower import checkpoint_files
+from kerastower.arguments import integer
 from kerastower.callbacks.base import Callback
+from kerastower.errors import KerasTowerError
 from kerastower.resume import ResumeState
 
 __all__ = ["ModelSaver", "MinSaver", "MaxSaver", "AutoResume"]
@@ -32,45 +38,113 @@ __all__ = ["ModelSaver", "MinSaver", "MaxSaver", "AutoResume"]
 class ModelSaver(Callback):
     """Saves a checkpoint whenever triggered (by default, every epoch end).
 
+    A checkpoint whose variables hold NaN or Inf is not written: a warning
+    names the step and the variables, and the older checkpoints stay.
+
+    Retention: the `max_to_keep` newest intact checkpoints stay, plus those
+    kept for good; the one just written and damaged ones (which AutoResume
+    skips, and which do not count) are never deleted. Whether a checkpoint
+    is kept for good, and when the last one was, is written in each
+    checkpoint's manifest and read from there, so it holds across restarts
+    and between several ModelSavers of one directory.
+
     Args:
         checkpoint_dir: where `ckpt-<global_step>` folders go.
-        max_to_keep: how many recent checkpoints to keep.
+        max_to_keep: how many recent checkpoints to keep (None: all).
         keep_checkpoint_every_n_hours: also keep, for good, one checkpoint
-            per this many hours of training (None: none).
+            per this many hours of wall-clock time (None: none).
+
+    Attributes:
+        clock: the function giving the time for `keep_checkpoint_every_n_hours`
+            (`time.time`; a test may replace it).
     """
 
     def __init__(self, checkpoint_dir, max_to_keep=10, keep_checkpoint_every_n_hours=None):
         super().__init__()
-        if max_to_keep is not None and max_to_keep < 1:
-            raise ValueError(f"ModelSaver: max_to_keep must be >= 1; got {max_to_keep}.")
+        max_to_keep = integer(max_to_keep, "max_to_keep", "ModelSaver", minimum=1, none_ok=True)
         self.checkpoint_dir = checkpoint_dir
         self.max_to_keep = max_to_keep
         self.keep_every_s = (
             None if keep_checkpoint_every_n_hours is None else keep_checkpoint_every_n_hours * 3600
         )
-        self._last_kept_time = None
-        self._kept_for_good = set()
+        self.clock = time.time
+        self._started = None
+        self._verified = {}  # path -> manifest checksum, of checkpoints found intact
 
     def _before_train(self):
         os.makedirs(self.checkpoint_dir, exist_ok=True)
-        if self._last_kept_time is None:
-            self._last_kept_time = time.time()
+        checkpoint.clean_up(self.checkpoint_dir)
+        self._started = self.clock()
+
+    def _manifests(self):
+        """(path, manifest or None when unreadable) of every checkpoint, newest first."""
+        found = []
+        for _, path in reversed(checkpoint.list_checkpoints(self.checkpoint_dir)):
+            try:
+                found.append((path, checkpoint_files.read_manifest(path)))
+            except checkpoint.DamagedCheckpointError:
+                found.append((path, None))
+        return found
 
     def _trigger(self):
         state = ResumeState.of(self.model).to_dict()
-        path = checkpoint.write_checkpoint(self.checkpoint_dir, self.model, state)
-        if self.keep_every_s is not None and state["time"] - self._last_kept_time >= self.keep_every_s:
-            self._kept_for_good.add(path)
-            self._last_kept_time = state["time"]
-        self._prune()
+        now = self.clock()
+        manifests = self._manifests()
+        retentions = {path: (manifest or {}).get("retention", {}) for path, manifest in manifests}
+        times = [r["last_kept_time"] for r in retentions.values()
+                 if r.get("last_kept_time") is not None]
+        last_kept = max(times) if times else (self._started if self._started is not None else now)
+        final = checkpoint_files.folder_path(self.checkpoint_dir, state["global_step"])
+        newly_kept = self.keep_every_s is not None and now - last_kept >= self.keep_every_s
+        retention = {
+            "kept_for_good": newly_kept or bool(retentions.get(final, {}).get("kept_for_good")),
+            "last_kept_time": now if newly_kept else last_kept,
+            "written_at": now,
+        }
+        try:
+            path = checkpoint.write_checkpoint(self.checkpoint_dir, self.model, state, retention)
+        except checkpoint.NonFiniteCheckpointError as error:
+            warnings.warn(f"kerastower: ModelSaver: {error}", stacklevel=2)
+            return
+        except (OSError, tf.errors.OpError) as error:
+            # Training on without checkpoints would risk days of work: stop,
+            # saying what is kept.
+            raise KerasTowerError(
+                f"ModelSaver could not write the checkpoint of global step "
+                f"{state['global_step']} into {self.checkpoint_dir!r}: "
+                f"{type(error).__name__}: {error}. The checkpoints written before are "
+                "intact; free space (or fix the folder) and run again with "
+                "kt.callbacks.AutoResume to go on from the newest of them."
+            ) from error
+        self._verified[path] = checkpoint_files.read_manifest(path)["checksum"]
+        self._prune(path)
 
-    def _prune(self):
+    def _intact(self, path, manifest):
+        if manifest is None:
+            return False
+        if self._verified.get(path) != manifest["checksum"]:
+            try:
+                checkpoint.verify_checkpoint(path)
+            except checkpoint.DamagedCheckpointError:
+                return False
+            self._verified[path] = manifest["checksum"]
+        return True
+
+    def _prune(self, just_written):
+        """Deletes the intact checkpoints older than the `max_to_keep`
+        newest, except those kept for good; never the one just written, nor
+        damaged ones (which do not count)."""
         if self.max_to_keep is None:
             return
-        candidates = [p for _, p in checkpoint.list_checkpoints(self.checkpoint_dir)
-                      if p not in self._kept_for_good]
-        for path in candidates[: -self.max_to_keep]:
-            shutil.rmtree(path, ignore_errors=True)
+        kept = 0
+        for path, manifest in self._manifests():
+            if path != just_written and not self._intact(path, manifest):
+                continue
+            kept += 1
+            for_good = (manifest or {}).get("retention", {}).get("kept_for_good")
+            if kept > self.max_to_keep and path != just_written and not for_good:
+                checkpoint_files.remove(path)
+                self._verified.pop(path, None)
 
 
 class _BestSaver(Callback):
@@ -115,7 +189,7 @@ class MaxSaver(_BestSaver):
 
 
 class AutoResume(Callback):
-    """Restores the latest checkpoint in `checkpoint_dir` when fit starts.
+    """Restores the newest intact checkpoint in `checkpoint_dir` when fit starts.
 
     Like Keras's BackupAndRestore, but exact to the step: weights, optimizer
     slots, global_step, random-number states, epoch, step in the epoch, and
@@ -125,28 +199,42 @@ class AutoResume(Callback):
     ModelSaver writing to the same directory. Without a checkpoint it does
     nothing.
 
+    Before reading, it removes what killed saves left (`.writing-*`
+    folders). A checkpoint that is incomplete, damaged (a file truncated or
+    changed, a missing manifest) or holds NaN/Inf is skipped with a warning
+    saying why, for the one before it; with checkpoints there and none
+    intact, it raises a KerasTowerError naming each and its reason.
+    Variables are matched by their Keras path (kerastower/checkpoint_keys.py):
+    the model must have exactly the checkpoint's variables, shapes and
+    dtypes, or `allow_partial=True` restores those that fit and warns about
+    the others.
+
     The input position is restored by skipping the batches each tower had
     taken, which replays the pipeline's work for them; when an epoch is one
-    pass over finite data (no steps_per_epoch), training resumes at the start
-    of the interrupted epoch instead.
+    pass over finite data (no steps_per_epoch), by skipping those taken in
+    the interrupted pass, whose order is replayed (docs/epochs.md).
     """
 
-    def __init__(self, checkpoint_dir):
+    def __init__(self, checkpoint_dir, allow_partial=False):
         super().__init__()
         self.checkpoint_dir = checkpoint_dir
+        self.allow_partial = allow_partial
         self.restored_from = None
         # Runs on every process, so the chief's restored state reaches all.
         self.chief_only = False
 
     def restore_training_state(self):
-        """Restores the newest checkpoint into the model; returns its
+        """Restores the newest intact checkpoint into the model; returns its
         `ResumeState`, or None without one. The training loop calls it on
         the chief before `on_train_begin`, then broadcasts the variables and
         the state to every other process."""
-        path = checkpoint.latest_checkpoint(self.checkpoint_dir)
+        checkpoint.clean_up(self.checkpoint_dir)
+        path, values = checkpoint.restore_latest(
+            self.checkpoint_dir, self.model, allow_partial=self.allow_partial
+        )
         if path is None:
             return None
-        state = ResumeState.from_dict(checkpoint.read_checkpoint(path, self.model))
+        state = ResumeState.from_dict(values)
         state.check_towers(self.model.num_towers)
         self.restored_from = path
         return state
