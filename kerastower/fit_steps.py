@@ -5,6 +5,7 @@ to `steps_per_execution` steps per call on the per-tower input, keeps the
 input position, and adds validation to the epoch's logs.
 """
 
+import keras
 import numpy as np
 
 from kerastower import _compat
@@ -13,6 +14,7 @@ from kerastower.engine import nonfinite
 from kerastower.engine import tf_step
 from kerastower.errors import InputSourceError
 from kerastower.loop import Iteration
+from kerastower.loop import unwrapped
 
 __all__ = ["FitSteps"]
 
@@ -43,6 +45,10 @@ class FitSteps(Iteration):
         self.logs = {}
         self._announced = False
         self.failure = None
+        self.terminate_on_nan = any(
+            isinstance(unwrapped(callback), keras.callbacks.TerminateOnNaN)
+            for callback in getattr(callbacks, "callbacks", callbacks or [])
+        )
 
     def start(self, skip_batches, epoch_num):
         strategy = self.model.tower_strategy
@@ -102,8 +108,13 @@ class FitSteps(Iteration):
 
     def ended_early(self, loop, step):
         if self.failure is not None:
-            global_step, towers = self.failure
-            nonfinite.raise_for(global_step, towers, self.model.num_towers)
+            error = nonfinite.error_for(*self.failure, self.model.num_towers)
+            if not self.terminate_on_nan:
+                raise error
+            # Keras's TerminateOnNaN asks for a normal end.
+            _compat.print_msg(f"{error} TerminateOnNaN ends training.")
+            self.model.stop_training = True
+            return
         if self.steps_per_epoch:
             raise InputSourceError(
                 f"The input ran out after {step} of steps_per_epoch="

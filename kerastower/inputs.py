@@ -233,11 +233,11 @@ class GeneratorInput(InputSource):
 
     def _tower_dataset(self, ctx):
         dataset = tf.data.Dataset.from_generator(
-            self._recording_errors, output_signature=self._signature
+            lambda: self._recording_errors(ctx.total), output_signature=self._signature
         )
         return dataset.prefetch(self._prefetch)
 
-    def _recording_errors(self):
+    def _recording_errors(self, num_towers):
         # tf.data passes on only the text of an exception raised here; the
         # step that fails gives the user the exception itself.
         yielded = 0
@@ -247,7 +247,9 @@ class GeneratorInput(InputSource):
                 yielded += 1
         except Exception as error:
             name = getattr(self._generator_fn, "__qualname__", repr(self._generator_fn))
-            step_errors.record_generator_error(error, f"GeneratorInput({name})", yielded)
+            step_errors.record_generator_error(
+                error, f"GeneratorInput({name})", yielded, yielded % num_towers
+            )
             raise
 
 

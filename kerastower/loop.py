@@ -121,7 +121,7 @@ class Iteration:
         """After the last epoch, before on_train_end."""
 
 
-def _unwrapped(callback):
+def unwrapped(callback):
     """The callback a wrapper (PeriodicTrigger, EnableCallbackIf) holds."""
     while hasattr(callback, "callback") and isinstance(callback, KtCallback):
         callback = callback.callback
@@ -132,7 +132,7 @@ def _with_default_monitors(callbacks, verbose, logdir):
     """The user's callbacks with kerastower's progress bar first and, given a
     logdir, throughput, TensorBoard and stats.json writers at the end."""
     callbacks = list(callbacks or [])
-    kinds = tuple(type(_unwrapped(cb)) for cb in callbacks)
+    kinds = tuple(type(unwrapped(cb)) for cb in callbacks)
     if verbose != 0 and not any(issubclass(k, keras.callbacks.ProgbarLogger) for k in kinds):
         callbacks.insert(0, monitors.ProgressBar())
     if logdir is not None:
@@ -270,7 +270,7 @@ class MainLoop:
         that state, or None."""
         state = None
         for callback in getattr(self.callbacks, "callbacks", self.callbacks):
-            restore = getattr(_unwrapped(callback), "restore_training_state", None)
+            restore = getattr(unwrapped(callback), "restore_training_state", None)
             if restore is not None and self.strategy.is_chief:
                 state = restore() or state
         state = self.strategy.broadcast_object(None if state is None else state.to_dict())

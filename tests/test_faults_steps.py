@@ -90,7 +90,7 @@ def test_a_nan_in_a_trainer_tower_function_stops_it():
 # -- item 5: exact resume when an epoch is one pass ----------------------------------
 
 class _Stop(Exception):
-    pass
+    """Interrupts a run at a chosen step."""
 
 
 class _StopAt(keras.callbacks.Callback):
@@ -153,7 +153,7 @@ def test_a_generator_exception_reaches_the_user_chained():
     x, y = _regression_data()
 
     class BadRecord(Exception):
-        pass
+        """The user's own error type, which must reach them."""
 
     def batches():
         for start in range(0, 64, 4):
@@ -164,7 +164,8 @@ def test_a_generator_exception_reaches_the_user_chained():
     source = kt.GeneratorInput(batches, (tf.TensorSpec((None, 4)), tf.TensorSpec((None, 1))))
     with kt.distributed("mirrored", devices=TWO):
         model = _regression_model("sgd")
-        with pytest.raises(StepFailedError, match=r"Training step \d+ failed.*BadRecord: record 20") as caught:
+        # Batch 6 (examples 20..23) is tower 1's batch of step 3.
+        with pytest.raises(StepFailedError, match=r"Training step 3 failed on tower 1: .*BadRecord: record 20") as caught:
             model.fit(source, epochs=1, verbose=0)
     assert isinstance(caught.value.__cause__, BadRecord)
 

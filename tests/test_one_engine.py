@@ -253,7 +253,7 @@ def test_the_keras_io_step_returning_every_metric_by_name_does_not_warn():
 
 
 def test_a_wrapped_monitor_counts_as_present_and_a_wrapped_auto_resume_restores(tmp_path):
-    from kerastower.loop import _unwrapped
+    from kerastower.loop import unwrapped
     from kerastower.loop import training_callbacks
 
     towers = kt.distributed("mirrored", devices=TWO)
@@ -263,7 +263,7 @@ def test_a_wrapped_monitor_counts_as_present_and_a_wrapped_auto_resume_restores(
         model.compile(optimizer="sgd", loss="mse")
     wrapped = kt.callbacks.PeriodicTrigger(kt.callbacks.JSONWriter(str(tmp_path)), every_k_epochs=2)
     made = training_callbacks(model, [wrapped], 0, str(tmp_path), 1, 1).callbacks
-    writers = [cb for cb in made if isinstance(_unwrapped(cb), kt.callbacks.JSONWriter)]
+    writers = [cb for cb in made if isinstance(unwrapped(cb), kt.callbacks.JSONWriter)]
     assert writers == [wrapped]
 
     ckpt = str(tmp_path / "ckpt")

@@ -16,7 +16,7 @@ import tensorflow as tf
 from kerastower.errors import NonFiniteError
 
 __all__ = [
-    "all_finite", "record", "tower_health", "step_health", "raise_for",
+    "all_finite", "record", "tower_health", "step_health", "error_for",
 ]
 
 
@@ -62,15 +62,15 @@ def step_health(strategy, per_tower):
     return tf.reduce_all(step_finite), bad_towers
 
 
-def raise_for(global_step, bad_towers, num_towers):
-    """Raises NonFiniteError for the step `global_step` (1-based), whose
+def error_for(global_step, bad_towers, num_towers):
+    """The NonFiniteError of the step `global_step` (1-based), whose
     non-finite gradients came from this process's `bad_towers`."""
     if bad_towers:
         plural = "s" if len(bad_towers) > 1 else ""
         where = f"on tower{plural} {', '.join(map(str, bad_towers))} of {num_towers}"
     else:
         where = "on a tower of another process"
-    raise NonFiniteError(
+    return NonFiniteError(
         f"Training step {global_step} produced NaN or Inf gradients {where}; its "
         "update was skipped and training stopped (the weights are those after step "
         f"{global_step - 1}). Look for a non-finite loss (log of 0, division by "

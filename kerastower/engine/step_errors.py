@@ -21,11 +21,12 @@ _generator_errors = []
 _lock = threading.Lock()
 
 
-def record_generator_error(error, source_name, items_yielded):
+def record_generator_error(error, source_name, items_yielded, tower):
     """Called by GeneratorInput when its generator raises (in tf.data's
-    thread): remembers the exception for `explain`."""
+    thread), with the tower the next batch was for: remembers the exception
+    for `explain`."""
     with _lock:
-        _generator_errors.append((error, source_name, items_yielded))
+        _generator_errors.append((error, source_name, items_yielded, tower))
 
 
 def _take_generator_error():
@@ -59,11 +60,12 @@ def explain(error, what):
     "training step 12"); the caller raises it."""
     recorded = _take_generator_error()
     if recorded is not None:
-        cause, source_name, yielded = recorded
+        cause, source_name, yielded, tower = recorded
         return _chained(StepFailedError(
-            f"{what} failed: the generator of {source_name} raised "
-            f"{type(cause).__name__}: {cause} (after yielding {yielded} batches in "
-            "this pass). Fix the generator; the exception is this error's cause."
+            f"{what} failed on tower {tower}: the generator of {source_name} raised "
+            f"{type(cause).__name__}: {cause} (making batch {yielded + 1} of this "
+            "pass, for that tower). Fix the generator; the exception is this "
+            "error's cause."
         ), cause)
     roots = _root_errors(error.message)
     if roots:

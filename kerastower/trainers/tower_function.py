@@ -71,7 +71,7 @@ class TowerFunction:
             failure = step_errors.explain(error, f"Step {step} (tower_function {self.__name__!r})")
             raise failure from failure.__cause__
         if not bool(finite):
-            nonfinite.raise_for(
+            raise nonfinite.error_for(
                 step, np.flatnonzero(np.asarray(bad_towers)).tolist(), model.num_towers
             )
         return outputs
