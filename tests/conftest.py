@@ -83,3 +83,19 @@ def mlp(recorder=None, features=4, classes=3, optimizer=None, **compile_kwargs):
         **compile_kwargs,
     )
     return model
+
+
+class Stop(Exception):
+    """Raised to interrupt training at a chosen step."""
+
+
+class StopAt(keras.callbacks.Callback):
+    """Interrupts training once global_step reaches `step`."""
+
+    def __init__(self, step):
+        super().__init__()
+        self.step = step
+
+    def on_train_batch_end(self, batch, logs=None):
+        if self.model.loop.global_step >= self.step:
+            raise Stop(f"stopped at {self.model.loop.global_step}")

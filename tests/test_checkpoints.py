@@ -7,23 +7,7 @@ import numpy as np
 import pytest
 
 import kerastower as kt
-from conftest import TWO, id_data
-
-
-class Stop(Exception):
-    """Raised to interrupt training at a chosen step."""
-
-
-class StopAt(keras.callbacks.Callback):
-    """Interrupts training once global_step reaches `step`."""
-
-    def __init__(self, step):
-        super().__init__()
-        self.step = step
-
-    def on_train_batch_end(self, batch, logs=None):
-        if self.model.loop.global_step >= self.step:
-            raise Stop(f"stopped at {self.model.loop.global_step}")
+from conftest import TWO, Stop, StopAt, id_data
 
 
 def _train(ckpt_dir, extra_callbacks=(), epochs=4):

@@ -9,7 +9,7 @@ import pytest
 import tensorflow as tf
 
 import kerastower as kt
-from conftest import TWO, id_data
+from conftest import TWO, Stop, StopAt, id_data
 from kerastower.errors import NonFiniteError
 from kerastower.errors import StepFailedError
 
@@ -89,20 +89,6 @@ def test_a_nan_in_a_trainer_tower_function_stops_it():
 
 # -- item 5: exact resume when an epoch is one pass ----------------------------------
 
-class _Stop(Exception):
-    """Interrupts a run at a chosen step."""
-
-
-class _StopAt(keras.callbacks.Callback):
-    def __init__(self, step):
-        super().__init__()
-        self.step = step
-
-    def on_train_batch_end(self, batch, logs=None):
-        if self.model.loop.global_step == self.step:
-            raise _Stop()
-
-
 def _one_pass_run(ckpt_dir, source_kind, stop_at=None, resume=True):
     keras.utils.set_random_seed(11)
     x, y = id_data(40)
@@ -122,7 +108,7 @@ def _one_pass_run(ckpt_dir, source_kind, stop_at=None, resume=True):
         if resume:
             callbacks.insert(0, kt.callbacks.AutoResume(ckpt_dir))
         if stop_at is not None:
-            callbacks.append(_StopAt(stop_at))
+            callbacks.append(StopAt(stop_at))
         model.fit(**data, epochs=3, verbose=0, callbacks=callbacks)
     return model
 
@@ -130,7 +116,7 @@ def _one_pass_run(ckpt_dir, source_kind, stop_at=None, resume=True):
 @pytest.mark.parametrize("source_kind", ["arrays", "reshuffling_dataset"])
 def test_resume_without_steps_per_epoch_is_bit_equal(tmp_path, source_kind):
     uninterrupted = _one_pass_run(str(tmp_path / "a"), source_kind)
-    with pytest.raises(_Stop):
+    with pytest.raises(Stop):
         _one_pass_run(str(tmp_path / "b"), source_kind, stop_at=13)  # epoch 3 of 5-step passes, step 3
     resumed = _one_pass_run(str(tmp_path / "b"), source_kind)
     assert resumed.loop.global_step == uninterrupted.loop.global_step == 15
