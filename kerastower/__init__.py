@@ -15,6 +15,7 @@ from kerastower import callbacks
 from kerastower import checkpoint
 from kerastower import functional as _functional  # registers the saved-model classes
 from kerastower.devices import use_cpu_towers
+from kerastower.engine.collectives import collectives_per_step
 from kerastower.errors import ArgumentError
 from kerastower.errors import DataMismatchError
 from kerastower.errors import InputSourceError
@@ -49,6 +50,7 @@ from kerastower.trainers import Trainer
 __version__ = "0.1.0"
 
 __all__ = [
+    "collectives_per_step",
     "ArgumentError",
     "callbacks",
     "checkpoint",

@@ -117,6 +117,23 @@ def flatten_layers(model):
     return list(_method(model, "_flatten_layers")())
 
 
+def xla_compiled_calls(function):
+    """How many calls to XLA-compiled functions the graphs `function` (a
+    tf.function) has traced hold, nested functions included."""
+    concrete = _method(function, "_list_all_concrete_functions")()
+    count = 0
+    for graph_def in (c.graph.as_graph_def() for c in concrete):
+        for node in [n for f in graph_def.library.function for n in f.node_def] + list(graph_def.node):
+            if "_XlaMustCompile" in node.attr and node.attr["_XlaMustCompile"].b:
+                count += 1
+    return count
+
+
+def op_determinism():
+    """Whether tf.config.experimental.enable_op_determinism() is in effect."""
+    return bool(require("tensorflow.python.framework.config", "is_op_determinism_enabled")())
+
+
 def symbolic_build(model, data_batch):
     _method(model, "_symbolic_build")(data_batch=data_batch)
 

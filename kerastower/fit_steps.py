@@ -132,6 +132,9 @@ class FitSteps(Iteration):
 
     def epoch_logs(self, loop):
         logs = dict(self.logs)
+        if self.logs and not self.model.tower_strategy.single_process:
+            # The steps gave this process's metrics; the epoch's are all towers'.
+            logs = dict(tf_step.logs_across_towers(self.model))
         validation = self.validation
         if validation is not None and _due(loop.epoch_num - 1, validation["freq"]):
             values = self.model.evaluate(

@@ -25,6 +25,7 @@ this uses only its core TensorFlow ops. Install: `bash scripts/install-horovod.s
 
 import tensorflow as tf
 
+from kerastower.engine import collectives
 from kerastower.errors import StrategyError
 from kerastower.strategies import TowerStrategy
 from kerastower.strategies import register_strategy
@@ -48,6 +49,8 @@ def _import_horovod():
 
 class HorovodStrategy(TowerStrategy):
     """One tower per Horovod process; collectives through Horovod's TF ops."""
+
+    single_process = False
 
     def __init__(self, devices=None):
         if devices is not None:
@@ -84,16 +87,23 @@ class HorovodStrategy(TowerStrategy):
         values = list(values)
         if self.num_towers == 1 or not values:
             return values
+        collectives.note("all_reduce", len(values))
         return self.hvd.grouped_allreduce(values, op=self.hvd.Sum)
 
+    def first_local_tower(self):
+        return self.hvd.rank()
+
     def gather_tower_scalars(self, per_tower):
+        collectives.note("all_gather", 1)
         gathered = self.hvd.allgather(tf.reshape(per_tower, [1]))
         return tf.reshape(gathered, [self.num_towers])
 
     def concat_tower_outputs(self, per_tower):
+        collectives.note("all_gather", 1)
         return self.hvd.allgather(per_tower)
 
     def sum_over_towers(self, per_tower):
+        collectives.note("all_reduce", 1)
         return self.hvd.allreduce(tf.cast(per_tower, tf.float64), op=self.hvd.Sum)
 
     def metrics_result(self, model):
@@ -101,15 +111,7 @@ class HorovodStrategy(TowerStrategy):
         # the metric compute its result from the sums: example-weighted.
         metrics = list(model.metrics)
         values = [v.value for m in metrics for v in m.variables]
-        summed = iter(self.all_reduce_sum(values))  # one grouped allreduce
-        results = {}
-        for metric in metrics:
-            result = metric.stateless_result([next(summed) for _ in metric.variables])
-            if isinstance(result, dict):
-                results.update(result)
-            else:
-                results[metric.name] = result
-        return results
+        return self.metrics_from_sums(metrics, self.all_reduce_sum(values))  # one grouped allreduce
 
     def sync_initial_state(self, model):
         variables = training_state(model)
@@ -128,6 +130,7 @@ class HorovodStrategy(TowerStrategy):
         mine = optional.has_value()
         # A rank out of data must still join the step while another has some,
         # or the allreduces would wait for it forever.
+        collectives.note("all_reduce", 1)
         anyone = self.hvd.allreduce(tf.cast(mine, tf.int32), op=self.hvd.Max) > 0
         spec = iterator.element_spec
 

@@ -41,6 +41,9 @@ def evaluate_loop(model, source, steps, callbacks):
             "already used up), so there is nothing to measure. Pass data with at "
             "least one example."
         )
+    if not model.tower_strategy.single_process:
+        # The steps gave this process's metrics; the result is all towers'.
+        logs = tf_step.logs_across_towers(model)
     logs = _compat.pythonify_logs(logs)
     callbacks.on_test_end(logs)
     return logs

@@ -340,8 +340,13 @@ class _ArrayInput(DatasetInput):
         dataset = tf.data.Dataset.from_tensor_slices(self._element)
         if self._shuffle:
             dataset = dataset.shuffle(self._length, seed=self._seed, reshuffle_each_iteration=True)
-        dataset = dataset.batch(self.batch_size)
-        return dataset.repeat() if self._repeat else dataset
+        if self._repeat:
+            # Endless, so every tower always gets a whole batch: a static
+            # batch size (when the passes divide evenly) spares the step
+            # reducing the towers' example counts.
+            whole = self._length % self.batch_size == 0
+            return dataset.batch(self.batch_size, drop_remainder=whole).repeat()
+        return dataset.batch(self.batch_size)
 
     def distribute(self, strategy, skip_batches=None):
         if self._shuffle:

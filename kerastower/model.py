@@ -21,8 +21,6 @@ per-tower iterator; `_make_step_function` below pulls one batch per tower per
 step and runs the tower step (`train_step`, `test_step`, `predict_step`) on it.
 """
 
-import warnings
-
 import keras
 import tensorflow as tf
 
@@ -32,6 +30,7 @@ from kerastower import batch_checks
 from kerastower import strategies
 from kerastower import inference_loops
 from kerastower.engine import tf_step
+from kerastower.engine import xla
 from kerastower.errors import TowerRuleError
 from kerastower.inputs import as_input_source
 from kerastower.fit_steps import FitSteps
@@ -49,6 +48,8 @@ class _StepCache:
     def __init__(self):
         self.local_weights = None
         self.last_gradients = None
+        self.collectives = {}
+        self.read_logs = None
 
 
 @keras.saving.register_keras_serializable(package="kerastower")
@@ -138,15 +139,16 @@ class TowerModel(keras.Model):
         return self._tower_strategy.num_towers
 
     def compile(self, *args, jit_compile="auto", **kwargs):
-        """As `keras.Model.compile`. TowerModel steps run without XLA:
-        `jit_compile=True` warns and is not applied."""
+        """As `keras.Model.compile`; `jit_compile` compiles each tower's work
+        with XLA (see `kerastower/engine/xla.py`): on N towers, the forward
+        and backward of `train_step` and the whole `test_step` and
+        `predict_step`; on one tower, the whole step. "auto" uses XLA when
+        the machine has an accelerator, as Keras does on one device."""
         kwargs = arguments.compile_kwargs(kwargs)
-        if jit_compile is True:
-            warnings.warn(
-                "kerastower: jit_compile=True is not applied; TowerModel steps "
-                "are compiled as tf.function graphs without XLA."
-            )
+        # Keras's own step functions, which would jit-compile the cross-tower
+        # work too, are not used: ours compile the towers' part.
         super().compile(*args, jit_compile=False, **kwargs)
+        self.tower_jit_compile = xla.resolve(self, jit_compile)
 
     def compile_from_config(self, config):
         """Compiles a loaded model as Keras would; needed because `compile`
@@ -216,6 +218,7 @@ class TowerModel(keras.Model):
         num_examples = tf_step.num_examples(data)
         variables = self.trainable_weights
 
+        @xla.compiled_in(self)
         def forward_backward():
             with batch_checks.checked_step(self, "train", x, y) as check:
                 with tf.GradientTape() as tape:
@@ -253,6 +256,7 @@ class TowerModel(keras.Model):
 
     def make_train_function(self, force=False):
         if self.train_function is None or force:
+            xla.warn_if_not_compiled(self, type(self).train_step is not TowerModel.train_step)
             self.train_function = tf_step.make_step_function(self, self.train_step, "train")
         return self.train_function
 

@@ -26,6 +26,7 @@ import os
 import numpy as np
 import tensorflow as tf
 
+from kerastower.engine import collectives
 from kerastower.errors import StrategyError
 from kerastower.strategies import TowerStrategy
 from kerastower.strategies import register_strategy
@@ -76,18 +77,48 @@ class MultiWorkerStrategy(TowerStrategy):
         self.worker_index = resolver.task_id or 0
         self.local_towers = len(tf_strategy.extended.worker_devices)
 
+    single_process = False
+
     @property
     def is_chief(self):
         return self.tf_strategy.extended.should_checkpoint
 
+    def first_local_tower(self):
+        return self.worker_index * self.local_towers
+
+    def next_step(self, iterator):
+        # TensorFlow agrees across workers whether any has data left.
+        collectives.note("all_reduce", 1, self.first_local_tower())
+        return super().next_step(iterator)
+
+    def metrics_result(self, model):
+        # One batched all-reduce of every metric's state (totals, counts),
+        # instead of one per variable that reading them here would launch.
+        metrics = list(model.metrics)
+
+        def summed_in_tower():
+            return self.all_reduce_sum([v.value for m in metrics for v in m.variables])
+
+        summed = self.tf_strategy.run(summed_in_tower)
+        return self.metrics_from_sums(metrics, [self.tower_values(v)[0] for v in summed])
+
+    def local_metrics_result(self, model):
+        # Read in cross-replica context, each metric variable would be
+        # all-reduced; this worker's first tower's own reading launches none.
+        return tf.nest.map_structure(
+            lambda v: self.tower_values(v)[0], self.tf_strategy.run(model.get_metrics_result))
+
     def gather_tower_scalars(self, per_tower):
+        collectives.note("all_gather", 1, self.first_local_tower())
         as_vectors = self.tf_strategy.run(lambda v: tf.reshape(v, [1]), args=(per_tower,))
         return tf.reshape(self.tf_strategy.gather(as_vectors, axis=0), [self.num_towers])
 
     def concat_tower_outputs(self, per_tower):
+        collectives.note("all_gather", 1, self.first_local_tower())
         return self.tf_strategy.gather(per_tower, axis=0)
 
     def sum_over_towers(self, per_tower):
+        collectives.note("all_reduce", 1, self.first_local_tower())
         as_float = self.tf_strategy.run(lambda v: tf.cast(v, tf.float64), args=(per_tower,))
         return self.tf_strategy.reduce(tf.distribute.ReduceOp.SUM, as_float, axis=None)
 

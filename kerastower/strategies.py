@@ -27,6 +27,7 @@ import keras
 import tensorflow as tf
 
 from kerastower import _compat
+from kerastower.engine import collectives
 from kerastower.devices import local_devices
 from kerastower.devices import parse_devices
 from kerastower.errors import StrategyError
@@ -98,6 +99,10 @@ class TowerStrategy:
         tf_strategy: the `tf.distribute.Strategy` that places the towers.
     """
 
+    # Whether every tower runs in this process: then reading the towers'
+    # values (a step's example counts, the metrics) needs no collective.
+    single_process = True
+
     def __init__(self, name, tf_strategy):
         self.name = name
         self.tf_strategy = tf_strategy
@@ -142,6 +147,19 @@ class TowerStrategy:
         """One scalar per tower -> a vector of them, in tower order."""
         return tf.stack(self.tower_values(per_tower))
 
+    def step_examples(self, per_tower, reduced_counts=None):
+        """The examples each tower's batch had in this step (int32 vector in
+        tower order). `reduced_counts`, when the towers' counts were already
+        summed over towers as a float vector (by `optimizer.apply`), spares
+        a strategy whose towers span processes a gather."""
+        if reduced_counts is not None and not self.single_process:
+            return tf.cast(self.tower_values(reduced_counts)[0], tf.int32)
+        return self.gather_tower_scalars(per_tower)
+
+    def first_local_tower(self):
+        """The index of this process's first tower."""
+        return 0
+
     def concat_tower_outputs(self, per_tower):
         """Per-tower outputs -> one tensor, concatenated in tower order."""
         return tf.concat(self.tower_values(per_tower), axis=0)
@@ -154,6 +172,27 @@ class TowerStrategy:
         """The model's metrics read across all towers (outside any tower)."""
         return model.get_metrics_result()
 
+    def local_metrics_result(self, model):
+        """The model's metrics as this process's towers have them (no
+        collective): what a step gives batch-level callbacks when towers
+        span processes."""
+        return model.get_metrics_result()
+
+    @staticmethod
+    def metrics_from_sums(metrics, summed):
+        """Each metric's result from its state variables' values summed over
+        towers (totals and counts): the example-weighted result. `summed`
+        lists the values of every metric's variables, metric by metric."""
+        summed = iter(summed)
+        results = {}
+        for metric in metrics:
+            result = metric.stateless_result([next(summed) for _ in metric.variables])
+            if isinstance(result, dict):
+                results.update(result)
+            else:
+                results[metric.name] = result
+        return results
+
     def sync_initial_state(self, model):
         """Makes every tower start from the same variables (one process:
         mirrored variables already are)."""
@@ -164,8 +203,9 @@ class TowerStrategy:
 
     def all_reduce_sum(self, values):
         """Sums `values` (a list of tensors) over towers, inside a tower step."""
-        if self.num_towers == 1:
+        if self.num_towers == 1 or not values:
             return list(values)
+        collectives.note("all_reduce", len(values), self.first_local_tower())
         replica_ctx = tf.distribute.get_replica_context()
         return replica_ctx.all_reduce(tf.distribute.ReduceOp.SUM, list(values))
 

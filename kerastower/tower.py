@@ -80,8 +80,33 @@ class TowerContext:
             name = f"tower{index}" if self.is_training else f"eval_tower{index}"
         self.name = name
         self.num_examples = None
-        self.example_weight = None
+        self._example_weight = None
+        self._weight_fn = None
         self.strategy = None
+
+    @property
+    def example_weight(self):
+        # Computed (with an all-reduce of the example counts) only when read:
+        # optimizer.apply folds the counts into its gradient all-reduce.
+        if self._example_weight is None and self._weight_fn is not None:
+            self._example_weight = self._weight_fn()
+        return self._example_weight
+
+    @example_weight.setter
+    def example_weight(self, value):
+        self._example_weight = value
+        self._weight_fn = None
+
+    def defer_example_weight(self, weight_fn):
+        """Makes `example_weight` the value of `weight_fn()`, computed when
+        first read."""
+        self._example_weight = None
+        self._weight_fn = weight_fn
+
+    @property
+    def example_weight_deferred(self):
+        """True while `example_weight` has not been computed."""
+        return self._example_weight is None and self._weight_fn is not None
 
     @property
     def is_main_training_tower(self):

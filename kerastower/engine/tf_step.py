@@ -27,7 +27,9 @@ import numpy as np
 import tensorflow as tf
 
 from kerastower import _compat
+from kerastower.engine import collectives
 from kerastower.engine import nonfinite
+from kerastower.engine import xla
 from kerastower.engine import step_errors
 from kerastower.errors import PeerFailureError
 from kerastower.errors import TowerRuleError
@@ -82,17 +84,48 @@ def _weighted(gradient, variable, weight):
     return tf.math.multiply_no_nan(gradient, tf.cast(weight, gradient.dtype))
 
 
-def reduce_tower_gradients(strategy, ctx, gradients, weighted, key):
+def reduce_tower_gradients(strategy, ctx, gradients, weighted, key, extra=()):
     """The sum over towers of each variable's `weighted` gradient; None for a
-    variable no tower has a gradient for (`gradients` is None)."""
+    variable no tower has a gradient for (`gradients` is None). `extra`
+    tensors ride along in the same all-reduce; returns (sums, extra sums)."""
     with _presence_lock:
         _presence.setdefault(key, {})[ctx.index] = [g is not None for g in gradients]
-    reduced = strategy.all_reduce_sum(weighted)
+    reduced = strategy.all_reduce_sum(list(weighted) + list(extra))
+    reduced, extra = reduced[:len(weighted)], reduced[len(weighted):]
     # Every tower of this process has recorded its gradients by now: the
     # all-reduce above waited for all of them.
     with _presence_lock:
         seen = list(_presence[key].values())
-    return [r if any(p[i] for p in seen) else None for i, r in enumerate(reduced)]
+    return [r if any(p[i] for p in seen) else None for i, r in enumerate(reduced)], extra
+
+
+def _divided(gradient, total):
+    if gradient is None:
+        return None
+    if isinstance(gradient, tf.IndexedSlices):
+        values = tf.math.divide_no_nan(gradient.values, tf.cast(total, gradient.values.dtype))
+        return tf.IndexedSlices(values, gradient.indices, gradient.dense_shape)
+    return tf.math.divide_no_nan(gradient, tf.cast(total, gradient.dtype))
+
+
+def _example_weighted_sum(ctx, gradients, variables, key):
+    """(the example-weighted mean over towers of each gradient, this tower's
+    weighted gradients). With the example counts not known in advance, each
+    tower adds `n_i * g_i` and its count in ONE all-reduce, then divides by
+    the total: no separate all-reduce of the counts."""
+    if not ctx.example_weight_deferred:
+        weighted = [_weighted(g, v, ctx.example_weight) for g, v in zip(gradients, variables)]
+        reduced, _ = reduce_tower_gradients(ctx.strategy, ctx, gradients, weighted, key)
+        return reduced, weighted
+    count = tf.cast(ctx.num_examples, tf.float32)
+    weighted = [_weighted(g, v, count) for g, v in zip(gradients, variables)]
+    counts = tf.one_hot(ctx.index, ctx.total, dtype=tf.float32) * count
+    reduced, (counts,) = reduce_tower_gradients(
+        ctx.strategy, ctx, gradients, weighted, key, extra=[counts])
+    if getattr(ctx, "reduced_counts", None) is None:
+        ctx.reduced_counts = counts
+    total = tf.reduce_sum(counts)
+    return [_divided(r, total) for r in reduced], weighted
 
 
 def apply_in_tower(optimizer, keras_apply, gradients, variables=None):
@@ -117,8 +150,7 @@ def apply_in_tower(optimizer, keras_apply, gradients, variables=None):
             f"optimizer.apply got {len(gradients)} gradients for {len(variables)} variables."
         )
     key = (id(optimizer), tuple(id(v) for v in variables))
-    weighted = [_weighted(g, v, ctx.example_weight) for g, v in zip(gradients, variables)]
-    reduced = reduce_tower_gradients(ctx.strategy, ctx, gradients, weighted, key)
+    reduced, weighted = _example_weighted_sum(ctx, gradients, variables, key)
     pairs = [(g, v) for g, v in zip(reduced, variables) if g is not None]
     if not pairs:
         raise ValueError(
@@ -188,26 +220,26 @@ def _dense_or_sparse_zeros(like, variable):
 # -- the tower scope -------------------------------------------------------------
 
 @contextlib.contextmanager
-def tower_scope(model, is_training, step_name, name=None, examples=None):
+def tower_scope(model, is_training, step_name, name=None, examples=None, equal_batches=False):
     """Inside a tower: its TowerContext, the tower rules, and (in training)
     the towers' replica-local weights following the main tower's after it.
 
     `examples` (this tower's batch size) gives the context its share of the
-    step's examples; without it each tower's share is 1/N.
+    step's examples; without it, or with `equal_batches` (every tower's
+    batch has the same static size), each tower's share is 1/N.
     """
     strategy = model.tower_strategy
     ctx = TowerContext(strategy.tower_index(), strategy.num_towers, is_training, name=name)
     ctx.strategy = strategy
-    if examples is None:
-        ctx.num_examples = None
+    ctx.num_examples = examples
+    if examples is None or equal_batches:
         ctx.example_weight = tf.constant(1.0 / ctx.total)
+    elif ctx.total == 1:
+        ctx.example_weight = tf.constant(1.0)
     else:
         n = tf.cast(examples, tf.float32)
-        ctx.num_examples = examples
-        ctx.example_weight = (
-            tf.constant(1.0) if ctx.total == 1
-            else tf.math.divide_no_nan(n, strategy.all_reduce_sum([n])[0])
-        )
+        ctx.defer_example_weight(
+            lambda: tf.math.divide_no_nan(n, strategy.all_reduce_sum([n])[0]))
     with ctx, tf.summary.record_if(ctx.is_main_tower), forbid_variable_creation(step_name):
         yield ctx
         if is_training:
@@ -294,6 +326,8 @@ def make_step_function(model, tower_step, mode):
     strategy = model.tower_strategy
     is_training = mode == "train"
     step_name = f"{type(model).__name__}.{tower_step.__name__}"
+    if xla.whole_step(model, mode) and getattr(model, "tower_jit_compile", False):
+        tower_step = _compiled_whole(model, tower_step)
     # What a step may return: its metrics' results, flat or by metric name
     # (keras.io's `{m.name: m.result() for m in self.metrics}`).
     metric_keys = (
@@ -301,12 +335,13 @@ def make_step_function(model, tower_step, mode):
         if mode != "predict" else set()
     )
 
-    def tower_fn(data):
+    def tower_fn(data, equal_batches):
         index = strategy.tower_index()
         name = f"predict_tower{index}" if mode == "predict" else None
         examples = num_examples(data)
         with tower_scope(model, is_training, step_name, name=name,
-                         examples=examples if is_training else None) as ctx:
+                         examples=examples if is_training else None,
+                         equal_batches=equal_batches) as ctx:
             if mode == "test" and ctx.total > 1:
                 outputs = _run_unless_empty(tower_step, data, examples)
             else:
@@ -316,11 +351,12 @@ def make_step_function(model, tower_step, mode):
             # The logs are the metrics read across towers, not these outputs
             # (which an idle tower does not have).
             outputs = None
-        return outputs, examples, nonfinite.tower_health(ctx)
+        return outputs, examples, nonfinite.tower_health(ctx), getattr(ctx, "reduced_counts", None)
 
     def run_towers(data):
-        outputs, examples, health = strategy.run(tower_fn, args=(data,))
-        return outputs, strategy.gather_tower_scalars(examples), health
+        equal = strategy.single_process and _static_equal_batches(strategy, data)
+        outputs, examples, health, counts = strategy.run(tower_fn, args=(data, equal))
+        return outputs, strategy.step_examples(examples, counts), health
 
     def predict_function(data):
         outputs, _, _ = run_towers(data)
@@ -347,14 +383,73 @@ def make_step_function(model, tower_step, mode):
             if not finite:
                 break
         # Metrics read across towers sum every tower's totals and counts:
-        # the logs are example-weighted over towers.
-        logs = strategy.metrics_result(model)
+        # the logs are example-weighted over towers. Where towers span
+        # processes that is a collective: the steps give this process's
+        # metrics, and the loops read them across towers when they log
+        # (`logs_across_towers`).
+        with collectives.phase("logs"):
+            logs = (strategy.metrics_result(model) if strategy.single_process
+                    else strategy.local_metrics_result(model))
         return steps, examples, tower_examples, tower_batches, logs, (finite, bad_towers)
 
     step_function = predict_function if mode == "predict" else function
+    recorded = _recording_collectives(model, mode, step_function)
     if not model.run_eagerly:
-        step_function = tf.function(step_function, reduce_retracing=True)
-    return step_function
+        return tf.function(recorded, reduce_retracing=True)
+    return recorded
+
+
+def _compiled_whole(model, tower_step):
+    """`tower_step` compiled with XLA, handing out what it noted on the
+    tower's context (tensors of the compiled function's graph)."""
+    def run(data):
+        outputs = tower_step(data)
+        ctx = get_current_tower_context()
+        return outputs, getattr(ctx, "nonfinite_flags", None)
+
+    compiled = xla.compiled(model, run)
+
+    def step(data):
+        outputs, flags = compiled(data)
+        if flags is not None:
+            get_current_tower_context().nonfinite_flags = flags
+        return outputs
+
+    step.__name__ = tower_step.__name__
+    return step
+
+
+def _recording_collectives(model, mode, step_function):
+    def traced(*args):
+        with collectives.recording(model, mode):
+            return step_function(*args)
+
+    return traced
+
+
+def _static_equal_batches(strategy, data):
+    """Whether every tower's batch of this step has the same static size
+    (known when the step is traced, e.g. a repeated pipeline): then each
+    tower's share is 1/N and no example count needs reducing."""
+    sizes = set()
+    for tower_data in strategy.tower_values(data):
+        x, _, _ = _compat.unpack_x_y_sample_weight(tower_data)
+        first = next(t for t in tf.nest.flatten(x) if t is not None)
+        sizes.add(tf.compat.dimension_value(first.shape[0]) if first.shape.rank else None)
+    return len(sizes) == 1 and None not in sizes and 0 not in sizes
+
+
+def logs_across_towers(model):
+    """The model's metrics read across all towers and processes, outside
+    any step: what an epoch's (or an evaluation's) logs say."""
+    cache = model._step_cache
+    if cache.read_logs is None:
+        def read():
+            with collectives.recording(model, "read_logs"):
+                return model.tower_strategy.metrics_result(model)
+
+        cache.read_logs = read if model.run_eagerly else tf.function(read)
+    return cache.read_logs()
 
 
 def run_steps(function, iterator, num_steps, what="step"):

@@ -1,0 +1,213 @@
+"""The comparisons of `benchmarks/run.py`, each returning rows of the table.
+
+A row is (case, ratio name, wall ratio, CPU-time ratio, goal or None, detail).
+"""
+
+import time
+
+import keras
+import numpy as np
+import tensorflow as tf
+
+import kerastower as kt
+
+import harness
+import models
+
+POOL = 16  # batches of data behind each array input (a pass is POOL steps)
+
+
+def _tower_model(strategy, build, devices=None, **compile_args):
+    with kt.distributed(strategy, devices=devices):
+        return models.compile_model(build(kt.TowerModel), **compile_args)
+
+
+def _fit_arrays(model, x, y, batch):
+    return lambda steps, cbs: model.fit(
+        x, y, batch_size=batch, steps_per_epoch=steps, epochs=1, verbose=0, callbacks=cbs)
+
+
+def _fit_source(model, source):
+    return lambda steps, cbs: model.fit(
+        source, steps_per_epoch=steps, epochs=1, verbose=0, callbacks=cbs)
+
+
+def _pipeline(x, y, batch):
+    return (tf.data.Dataset.from_tensor_slices((x, y)).shuffle(len(x), seed=0)
+            .batch(batch, drop_remainder=True).repeat().prefetch(2))
+
+
+def fit_vs_bare(build, batch, steps, rounds):
+    """P1: TowerModel.fit on one device, from numpy arrays and from tf.data,
+    against a bare compiled step on constant tensors."""
+    x, y = models.examples(build, POOL * batch)
+    bare = models.compile_model(build(keras.Model))
+    fit_model = _tower_model("single", build)
+    runners = {
+        "bare": (harness.loop_runner(harness.bare_step(bare, x[:batch], y[:batch])), batch),
+        "numpy": (harness.fit_runner(_fit_arrays(fit_model, x, y, batch)), batch),
+        "tf.data": (harness.fit_runner(_fit_source(fit_model, _pipeline(x, y, batch))), batch),
+    }
+    result = harness.compare(runners, steps, rounds)
+    name = build.__name__
+    return [
+        (f"P1 {name}, numpy", "fit 1 device / bare step", result.ratio("numpy", "bare"),
+         result.ratio("numpy", "bare", cpu=True), 0.98, f"{result.rate('bare'):.0f} samples/s bare"),
+        (f"P1 {name}, tf.data", "fit 1 device / bare step", result.ratio("tf.data", "bare"),
+         result.ratio("tf.data", "bare", cpu=True), 0.98, ""),
+    ]
+
+
+def stock_keras_fit(build, devices, x, y, global_batch, jit_compile=False):
+    """Stock Keras fit under MirroredStrategy on `devices`, global batch."""
+    cross_ops = None if "gpu" in devices[0].lower() else tf.distribute.ReductionToOneDevice()
+    strategy = tf.distribute.MirroredStrategy(devices, cross_device_ops=cross_ops)
+    with strategy.scope():
+        model = models.compile_model(build(keras.Model), jit_compile=jit_compile)
+    dataset = _pipeline(x, y, global_batch)
+    return lambda steps, cbs: model.fit(
+        dataset, steps_per_epoch=steps, epochs=1, verbose=0, callbacks=cbs)
+
+
+def towers_vs_stock(build, devices, batch, steps, rounds):
+    """P2: 2 towers against stock Keras fit on the same 2 devices and total
+    batch, without XLA on both sides, then with XLA in the towers (Keras
+    turns XLA off under tf.distribute)."""
+    x, y = models.examples(build, POOL * batch * 2)
+    runners = {
+        "stock": (harness.fit_runner(stock_keras_fit(build, devices, x, y, 2 * batch)), 2 * batch),
+        "towers": (harness.fit_runner(_fit_arrays(
+            _tower_model("mirrored", build, devices), x, y, batch)), 2 * batch),
+        "towers+xla": (harness.fit_runner(_fit_arrays(
+            _tower_model("mirrored", build, devices, jit_compile=True), x, y, batch)), 2 * batch),
+    }
+    result = harness.compare(runners, steps, rounds)
+    name = build.__name__
+    return [
+        (f"P2 {name}", "2 towers / stock Keras, no XLA", result.ratio("towers", "stock"),
+         result.ratio("towers", "stock", cpu=True), None, f"{result.rate('stock'):.0f} samples/s stock"),
+        (f"P2 {name}", "2 towers with XLA / stock Keras", result.ratio("towers+xla", "stock"),
+         result.ratio("towers+xla", "stock", cpu=True), 1.10, ""),
+    ]
+
+
+def _python_source(x, y, batch, seconds, busy):
+    def batches():
+        index = 0
+        while True:
+            deadline = time.perf_counter() + seconds
+            if busy:
+                while time.perf_counter() < deadline:
+                    pass
+            else:
+                time.sleep(seconds)
+            start = (index % POOL) * batch
+            index += 1
+            yield x[start:start + batch], y[start:start + batch]
+
+    signature = (tf.TensorSpec((batch,) + x.shape[1:], tf.float32),
+                 tf.TensorSpec((batch,), tf.int32))
+    return batches, signature
+
+
+def generator_overlap(build, batch, steps, rounds, seconds=0.002):
+    """P3: a Python source spending `seconds` per batch (waiting, as on I/O;
+    and computing, holding the GIL) against a constant input."""
+    x, y = models.examples(build, POOL * batch)
+    model = _tower_model("single", build)
+    runners = {"constant": (harness.fit_runner(_fit_source(
+        model, kt.DummyConstantInput((x[:batch], y[:batch])))), batch)}
+    for label, busy in (("waiting", False), ("computing", True)):
+        for prefetch in (0, 4):
+            fn, signature = _python_source(x, y, batch, seconds, busy)
+            source = kt.GeneratorInput(fn, signature, prefetch=prefetch)
+            runners[f"{label}, prefetch {prefetch}"] = (
+                harness.fit_runner(_fit_source(model, source)), batch)
+    result = harness.compare(runners, steps, rounds)
+    step_ms = 1000 * batch / result.rate("constant")
+    rows = []
+    for label in ("waiting", "computing"):
+        for prefetch in (4, 0):
+            name = f"{label}, prefetch {prefetch}"
+            rows.append((f"P3 {build.__name__}, source {label} {seconds * 1000:.0f} ms",
+                         f"GeneratorInput prefetch={prefetch} / constant",
+                         result.ratio(name, "constant"), result.ratio(name, "constant", cpu=True),
+                         0.95 if (prefetch and label == "waiting") else None,
+                         f"step {step_ms:.1f} ms" if (prefetch and label == "waiting") else ""))
+    return rows
+
+
+def xla_gain(build, devices, batch, steps, rounds):
+    """TowerModel.fit with jit_compile=True against False, on one device
+    and on 2 towers."""
+    x, y = models.examples(build, POOL * batch)
+    runners = {}
+    for strategy, devs in (("single", None), ("mirrored", devices)):
+        for jit in (False, True):
+            model = _tower_model(strategy, build, devs, jit_compile=jit)
+            towers = model.num_towers
+            runners[(strategy, jit)] = (
+                harness.fit_runner(_fit_arrays(model, x, y, batch)), towers * batch)
+    result = harness.compare(runners, steps, rounds)
+    return [
+        (f"XLA {build.__name__}", f"jit_compile=True / False, {label}",
+         result.ratio((strategy, True), (strategy, False)),
+         result.ratio((strategy, True), (strategy, False), cpu=True), None,
+         f"{result.rate((strategy, False)):.0f} samples/s without XLA")
+        for strategy, label in (("single", "1 device"), ("mirrored", "2 towers"))
+    ]
+
+
+def steps_per_execution(build, batch, steps, rounds):
+    """fit with steps_per_execution=8 against 1, on a cheap step."""
+    x, y = models.examples(build, POOL * batch)
+    runners = {
+        k: (harness.fit_runner(_fit_arrays(
+            _tower_model("single", build, steps_per_execution=k), x, y, batch)), batch)
+        for k in (1, 8)
+    }
+    # With k=8 a callback sees every 8th step: time whole calls of 8 steps.
+    result = harness.compare(runners, steps - steps % 8, rounds)
+    return [(f"steps_per_execution {build.__name__}", "8 / 1", result.ratio(8, 1),
+             result.ratio(8, 1, cpu=True), None,
+             f"{1000 * batch / result.rate(1):.2f} ms per step at 1")]
+
+
+def scaling(build, all_devices, batch, steps, rounds):
+    """Samples/s of 1, 2 and 4 towers (per-tower batch fixed) against 1."""
+    x, y = models.examples(build, POOL * batch)
+    runners = {}
+    for n in (1, 2, 4):
+        if n > len(all_devices):
+            continue
+        model = _tower_model("mirrored" if n > 1 else "single", build,
+                             all_devices[:n] if n > 1 else None)
+        runners[n] = (harness.fit_runner(_fit_arrays(model, x, y, batch)), n * batch)
+    result = harness.compare(runners, steps, rounds)
+    return [(f"scaling {build.__name__}", f"{n} towers / 1 device", result.ratio(n, 1),
+             result.ratio(n, 1, cpu=True), None, f"{result.rate(n):.0f} samples/s")
+            for n in runners if n > 1]
+
+
+def collective_counts(build, devices, batch):
+    """What one training step and the logs launch, per strategy (this process)."""
+    x, y = models.examples(build, POOL * batch)
+    rows = {}
+    for strategy, devs in (("single", None), ("mirrored", devices)):
+        model = _tower_model(strategy, build, devs)
+        model.fit(x, y, batch_size=batch, steps_per_epoch=2, verbose=0)
+        rows[strategy] = kt.collectives_per_step(model)
+    return rows
+
+
+def measured_rate(build, strategy, devices, batch, steps):
+    """Median samples/s of TowerModel.fit under `strategy` (for comparing
+    with another process, e.g. Horovod's)."""
+    x, y = models.examples(build, POOL * batch)
+    model = _tower_model(strategy, build, devices)
+    run = harness.fit_runner(_fit_arrays(model, x, y, batch))
+    rates = []
+    for _ in range(3):
+        wall, _ = run(steps)
+        rates.append(model.num_towers * batch * steps / wall)
+    return float(np.median(rates)), model

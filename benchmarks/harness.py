@@ -1,0 +1,118 @@
+"""Timing: steady-state steps, runs interleaved, ratios taken within a round.
+
+A "runner" is a function `run(steps)` that trains for `steps` steps and
+returns (wall seconds, process CPU seconds) spent in them, measured after a
+few warm-up steps of the same call (tracing, XLA compilation and the start of
+`fit` are left out: they are paid once per run, not per step).
+
+`compare` runs several runners in rounds, alternating their order; within a
+round each gets the same conditions, so ratios are taken round by round
+and their median reported. On a shared VM the speed drifts between rounds
+by up to 2x; the per-round ratio drifts much less.
+"""
+
+import statistics
+import time
+
+import keras
+import tensorflow as tf
+
+WARMUP = 3
+
+
+class StepTimer(keras.callbacks.Callback):
+    """Times the steps of one `fit` after its first `warmup` steps."""
+
+    def __init__(self, warmup=WARMUP):
+        super().__init__()
+        self.warmup = warmup
+        self.batches = 0
+        self.start = None
+        self.end = None
+
+    def on_train_batch_end(self, batch, logs=None):
+        self.batches += 1
+        now = (time.perf_counter(), time.process_time())
+        if self.batches == self.warmup:
+            self.start = now
+        self.end = now
+
+    def seconds(self):
+        return self.end[0] - self.start[0], self.end[1] - self.start[1]
+
+
+def fit_runner(fit):
+    """A runner from `fit(steps, callbacks)`, which calls some model's fit
+    for `steps` steps with `callbacks`."""
+
+    def run(steps):
+        timer = StepTimer()
+        fit(WARMUP + steps, [timer])
+        return timer.seconds()
+
+    return run
+
+
+def loop_runner(step):
+    """A runner calling `step()` (a tf.function) once per step from Python,
+    as a hand-written training loop does."""
+
+    def run(steps):
+        for _ in range(WARMUP):
+            result = step()
+        float(result)
+        wall, cpu = time.perf_counter(), time.process_time()
+        for _ in range(steps):
+            result = step()
+        float(result)
+        return time.perf_counter() - wall, time.process_time() - cpu
+
+    return run
+
+
+def bare_step(model, x, y):
+    """A compiled train step on constant tensors: the limit fit aims at."""
+    loss_fn = model.loss
+    model.optimizer.build(model.trainable_variables)
+    x, y = tf.constant(x), tf.constant(y)
+
+    @tf.function(jit_compile=bool(getattr(model, "tower_jit_compile", False)))
+    def step():
+        with tf.GradientTape() as tape:
+            loss = loss_fn(y, model(x, training=True))
+        grads = tape.gradient(loss, model.trainable_variables)
+        model.optimizer.apply(grads, model.trainable_variables)
+        return loss
+
+    return step
+
+
+class Result:
+    """Per-runner rates and per-round ratios of one comparison."""
+
+    def __init__(self, names):
+        self.rates = {name: [] for name in names}
+        self.cpu_rates = {name: [] for name in names}
+
+    def rate(self, name):
+        return statistics.median(self.rates[name])
+
+    def ratio(self, numerator, denominator, cpu=False):
+        rates = self.cpu_rates if cpu else self.rates
+        return statistics.median(
+            a / b for a, b in zip(rates[numerator], rates[denominator]))
+
+
+def compare(runners, steps, rounds):
+    """Runs `runners` ({name: (run, samples per step)}) for `rounds` rounds
+    of `steps` steps each; returns a Result."""
+    result = Result(list(runners))
+    names = list(runners)
+    for index in range(rounds):
+        order = names if index % 2 == 0 else names[::-1]
+        for name in order:
+            run, samples = runners[name]
+            wall, cpu = run(steps)
+            result.rates[name].append(samples * steps / wall)
+            result.cpu_rates[name].append(samples * steps / max(cpu, 1e-9))
+    return result

@@ -1,0 +1,170 @@
+"""XLA in towers and the collectives a step launches (speed itself is
+measured in benchmarks/, not here)."""
+
+import warnings
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import kerastower as kt
+from conftest import TWO
+from kerastower import _compat
+
+B = 8
+
+
+def _data(n=72, seed=5):
+    rng = np.random.default_rng(seed)
+    return rng.normal(size=(n, 6)).astype("float32"), rng.integers(0, 3, n).astype("int32")
+
+
+class WeightedLoss(kt.TowerModel):
+    """A compute_loss override: it must be compiled and reduced like the rest."""
+
+    def compute_loss(self, x=None, y=None, y_pred=None, sample_weight=None, training=True):
+        loss = super().compute_loss(x, y, y_pred, sample_weight, training=training)
+        return loss + 1e-3 * keras.ops.mean(keras.ops.square(y_pred))
+
+
+def _model(cls=kt.TowerModel, norm=True, **compile_args):
+    inputs = keras.Input((6,))
+    h = keras.layers.Dense(16, activation="gelu")(inputs)
+    if norm:
+        h = keras.layers.LayerNormalization()(h)
+    model = cls(inputs, keras.layers.Dense(3)(h))
+    model.compile(
+        optimizer=keras.optimizers.Adam(0.01),
+        loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+        metrics=["accuracy"],
+        **compile_args,
+    )
+    return model
+
+
+def _run(strategy, devices, jit, batch, cls=kt.TowerModel):
+    x, y = _data()
+    with kt.distributed(strategy, devices=devices):
+        keras.utils.set_random_seed(7)
+        model = _model(cls, jit_compile=jit)
+        history = model.fit(x, y, batch_size=batch, epochs=2, shuffle=False, verbose=0)
+        logs = model.evaluate(x, y, batch_size=batch, verbose=0, return_dict=True)
+        predictions = model.predict(x, batch_size=batch, verbose=0)
+    return model, history.history, logs, predictions
+
+
+@pytest.mark.parametrize("cls", [kt.TowerModel, WeightedLoss], ids=["compiled_loss", "compute_loss"])
+def test_xla_towers_equal_one_device_without_xla(cls):
+    """2 towers with XLA, 1 device with XLA and 2 towers without all equal one
+    device without XLA on the joined batch (72 examples: a short last step)."""
+    reference, ref_history, ref_logs, ref_predictions = _run("single", None, False, 2 * B, cls)
+    for strategy, devices, jit, batch in [("single", None, True, 2 * B),
+                                          ("mirrored", TWO, True, B),
+                                          ("mirrored", TWO, False, B)]:
+        model, history, logs, predictions = _run(strategy, devices, jit, batch, cls)
+        for mine, theirs in zip(model.get_weights(), reference.get_weights()):
+            np.testing.assert_allclose(mine, theirs, atol=1e-5)
+        np.testing.assert_allclose(history["loss"], ref_history["loss"], atol=1e-5)
+        for key in ref_logs:
+            assert logs[key] == pytest.approx(ref_logs[key], abs=1e-5), key
+        np.testing.assert_allclose(predictions, ref_predictions, atol=1e-5)
+        calls = sum(_compat.xla_compiled_calls(f) for f in
+                    (model.train_function, model.test_function, model.predict_function))
+        assert (calls > 0) == jit, (strategy, jit, calls)
+
+
+def test_jit_compile_values():
+    """"auto" follows Keras's one-device rule (XLA with an accelerator: none
+    here); anything but True/False/"auto" is refused."""
+    model = _model(jit_compile="auto")
+    assert model.tower_jit_compile is False
+    with pytest.raises(kt.ArgumentError, match="jit_compile must be True, False"):
+        _model(jit_compile="yes")
+
+
+def test_overridden_train_step_on_towers_warns_that_xla_does_not_reach_it():
+    class Custom(kt.TowerModel):
+        def train_step(self, data):
+            x, y = data
+            with tf.GradientTape() as tape:
+                loss = self.compute_loss(x, y, self(x, training=True))
+            self.optimizer.apply(tape.gradient(loss, self.trainable_variables),
+                                 self.trainable_variables)
+            return {}
+
+    x, y = _data()
+    with kt.distributed("mirrored", devices=TWO):
+        model = _model(Custom, jit_compile=True)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            model.fit(x, y, batch_size=B, verbose=0)
+    assert any("does not compile Custom.train_step on 2 towers" in str(w.message) for w in caught)
+
+
+def _gradient_tensors(model):
+    return len(model.trainable_variables)
+
+
+def test_static_equal_batches_launch_one_all_reduce_per_step():
+    """Repeated arrays (a static per-tower batch): one all-reduce, of the
+    gradients, per step; no example count, no metrics (read at log time,
+    locally); nothing on one device."""
+    x, y = _data(64)
+    with kt.distributed("mirrored", devices=TWO):
+        model = _model(norm=False)
+        model.fit(x, y, batch_size=B, steps_per_epoch=3, verbose=0)
+    assert kt.collectives_per_step(model) == {
+        "step": [("all_reduce", _gradient_tensors(model))], "logs": []}
+    single = _model(norm=False)
+    single.fit(x, y, batch_size=B, steps_per_epoch=3, verbose=0)
+    assert kt.collectives_per_step(single) == {"step": [], "logs": []}
+
+
+def test_dynamic_batches_fold_the_example_count_into_the_gradient_all_reduce():
+    """A pass with a short last batch: the towers' example counts ride in
+    the gradients' all-reduce (one more tensor), not in one of their own."""
+    x, y = _data(60)
+    with kt.distributed("mirrored", devices=TWO):
+        model = _model(norm=False)
+        model.fit(x, y, batch_size=B, verbose=0)
+    assert kt.collectives_per_step(model)["step"] == [
+        ("all_reduce", _gradient_tensors(model) + 1)]
+
+
+def test_batch_normalization_adds_one_all_reduce_of_its_statistics():
+    inputs = keras.Input((6,))
+    x, y = _data(64)
+    with kt.distributed("mirrored", devices=TWO):
+        h = keras.layers.BatchNormalization()(keras.layers.Dense(8)(inputs))
+        model = kt.TowerModel(inputs, keras.layers.Dense(3)(h))
+        model.compile(optimizer="sgd", loss="sparse_categorical_crossentropy")
+        model.fit(x, y, batch_size=B, steps_per_epoch=2, verbose=0)
+    assert kt.collectives_per_step(model)["step"] == [
+        ("all_reduce", len(model.trainable_variables)), ("all_reduce", 2)]
+
+
+def test_reading_example_weight_in_a_tower_still_works():
+    """`TowerContext.example_weight` is computed when read (with its own
+    all-reduce): each tower's share of the step's examples."""
+    seen = []
+
+    class Reads(kt.TowerModel):
+        def train_step(self, data):
+            ctx = kt.get_current_tower_context()
+
+            def record(index, weight):
+                seen.append((int(index), round(float(weight), 6)))
+                return np.int32(0)
+
+            token = tf.numpy_function(record, [ctx.index, ctx.example_weight], tf.int32,
+                                      stateful=True)
+            with tf.control_dependencies([token]):
+                return super().train_step(data)
+
+    x, y = _data(12)
+    with kt.distributed("mirrored", devices=TWO):
+        model = _model(Reads, norm=False)
+        model.fit(x, y, batch_size=8, shuffle=False, verbose=0)
+    assert sorted(seen) == [(0, round(8 / 12, 6)), (1, round(4 / 12, 6))]
+    assert ("all_reduce", 1) in kt.collectives_per_step(model)["step"]
