@@ -33,8 +33,12 @@ def _fit_source(model, source):
 
 
 def _pipeline(x, y, batch):
-    return (tf.data.Dataset.from_tensor_slices((x, y)).shuffle(len(x), seed=0)
-            .batch(batch, drop_remainder=True).repeat().prefetch(2))
+    """A tf.data pipeline of ready batches: what it costs to make them (the
+    user's decoding, augmenting) is not kerastower's cost, pulling them is."""
+    n = len(x) // batch
+    return tf.data.Dataset.from_tensor_slices((
+        x[:n * batch].reshape((n, batch) + x.shape[1:]), y[:n * batch].reshape(n, batch),
+    )).repeat()
 
 
 def fit_vs_bare(build, batch, steps, rounds):
@@ -42,15 +46,23 @@ def fit_vs_bare(build, batch, steps, rounds):
     against a bare compiled step on constant tensors."""
     x, y = models.examples(build, POOL * batch)
     bare = models.compile_model(build(keras.Model))
+    bare_xla = models.compile_model(build(keras.Model))
+    bare_xla.tower_jit_compile = True
     fit_model = _tower_model("single", build)
+    fit_xla = _tower_model("single", build, jit_compile=True)
     runners = {
         "bare": (harness.loop_runner(harness.bare_step(bare, x[:batch], y[:batch])), batch),
         "numpy": (harness.fit_runner(_fit_arrays(fit_model, x, y, batch)), batch),
         "tf.data": (harness.fit_runner(_fit_source(fit_model, _pipeline(x, y, batch))), batch),
+        "bare xla": (harness.loop_runner(harness.bare_step(bare_xla, x[:batch], y[:batch])), batch),
+        "numpy xla": (harness.fit_runner(_fit_arrays(fit_xla, x, y, batch)), batch),
     }
     result = harness.compare(runners, steps, rounds)
     name = build.__name__
     return [
+        (f"P1 {name}, numpy, XLA", "fit 1 device / bare step, both XLA",
+         result.ratio("numpy xla", "bare xla"), result.ratio("numpy xla", "bare xla", cpu=True),
+         None, f"{result.rate('bare xla'):.0f} samples/s bare with XLA"),
         (f"P1 {name}, numpy", "fit 1 device / bare step", result.ratio("numpy", "bare"),
          result.ratio("numpy", "bare", cpu=True), 0.98, f"{result.rate('bare'):.0f} samples/s bare"),
         (f"P1 {name}, tf.data", "fit 1 device / bare step", result.ratio("tf.data", "bare"),
@@ -69,26 +81,42 @@ def stock_keras_fit(build, devices, x, y, global_batch, jit_compile=False):
         dataset, steps_per_epoch=steps, epochs=1, verbose=0, callbacks=cbs)
 
 
-def towers_vs_stock(build, devices, batch, steps, rounds):
+def stock_keras_can_jit(build, devices, batch):
+    """Whether stock Keras fit runs with jit_compile=True under
+    MirroredStrategy (its "auto" turns XLA off there); the error if not."""
+    x, y = models.examples(build, 4 * batch)
+    try:
+        stock_keras_fit(build, devices, x, y, 2 * batch, jit_compile=True)(2, [])
+    except Exception as error:  # noqa: BLE001 - what failed is the finding
+        lines = [line for line in str(error).splitlines() if line.strip()]
+        return f"no: {type(error).__name__}: {lines[-3][:140] if len(lines) >= 3 else lines[-1][:140]}"
+    return "yes"
+
+
+def towers_vs_stock(build, devices, batch, steps, rounds, with_xla=False):
     """P2: 2 towers against stock Keras fit on the same 2 devices and total
-    batch, without XLA on both sides, then with XLA in the towers (Keras
-    turns XLA off under tf.distribute)."""
+    batch, without XLA on both sides; `with_xla` adds the towers with XLA
+    (stock Keras cannot use XLA under MirroredStrategy: see
+    `stock_keras_can_jit`)."""
     x, y = models.examples(build, POOL * batch * 2)
     runners = {
         "stock": (harness.fit_runner(stock_keras_fit(build, devices, x, y, 2 * batch)), 2 * batch),
         "towers": (harness.fit_runner(_fit_arrays(
             _tower_model("mirrored", build, devices), x, y, batch)), 2 * batch),
-        "towers+xla": (harness.fit_runner(_fit_arrays(
-            _tower_model("mirrored", build, devices, jit_compile=True), x, y, batch)), 2 * batch),
     }
+    if with_xla:
+        runners["towers+xla"] = (harness.fit_runner(_fit_arrays(
+            _tower_model("mirrored", build, devices, jit_compile=True), x, y, batch)), 2 * batch)
     result = harness.compare(runners, steps, rounds)
     name = build.__name__
-    return [
-        (f"P2 {name}", "2 towers / stock Keras, no XLA", result.ratio("towers", "stock"),
-         result.ratio("towers", "stock", cpu=True), None, f"{result.rate('stock'):.0f} samples/s stock"),
-        (f"P2 {name}", "2 towers with XLA / stock Keras", result.ratio("towers+xla", "stock"),
-         result.ratio("towers+xla", "stock", cpu=True), 1.10, ""),
-    ]
+    rows = [(f"P2 {name}", "2 towers / stock Keras, no XLA", result.ratio("towers", "stock"),
+             result.ratio("towers", "stock", cpu=True), None if with_xla else 1.10,
+             f"{result.rate('stock'):.0f} samples/s stock")]
+    if with_xla:
+        rows.append((f"P2 {name}", "2 towers with XLA / stock Keras", result.ratio("towers+xla", "stock"),
+                     result.ratio("towers+xla", "stock", cpu=True), 1.10,
+                     "stock Keras with jit_compile=True: " + stock_keras_can_jit(build, devices, batch)))
+    return rows
 
 
 def _python_source(x, y, batch, seconds, busy):
@@ -163,11 +191,10 @@ def steps_per_execution(build, batch, steps, rounds):
     x, y = models.examples(build, POOL * batch)
     runners = {
         k: (harness.fit_runner(_fit_arrays(
-            _tower_model("single", build, steps_per_execution=k), x, y, batch)), batch)
+            _tower_model("single", build, steps_per_execution=k), x, y, batch), warmup=8), batch)
         for k in (1, 8)
     }
-    # With k=8 a callback sees every 8th step: time whole calls of 8 steps.
-    result = harness.compare(runners, steps - steps % 8, rounds)
+    result = harness.compare(runners, steps, rounds)
     return [(f"steps_per_execution {build.__name__}", "8 / 1", result.ratio(8, 1),
              result.ratio(8, 1, cpu=True), None,
              f"{1000 * batch / result.rate(1):.2f} ms per step at 1")]
@@ -208,6 +235,6 @@ def measured_rate(build, strategy, devices, batch, steps):
     run = harness.fit_runner(_fit_arrays(model, x, y, batch))
     rates = []
     for _ in range(3):
-        wall, _ = run(steps)
-        rates.append(model.num_towers * batch * steps / wall)
+        wall, _, timed = run(steps)
+        rates.append(model.num_towers * batch * timed / wall)
     return float(np.median(rates)), model

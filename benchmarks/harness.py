@@ -1,8 +1,8 @@
 """Timing: steady-state steps, runs interleaved, ratios taken within a round.
 
-A "runner" is a function `run(steps)` that trains for `steps` steps and
-returns (wall seconds, process CPU seconds) spent in them, measured after a
-few warm-up steps of the same call (tracing, XLA compilation and the start of
+A "runner" is a function `run(steps)` that trains for about `steps` steps
+and returns (wall seconds, process CPU seconds, steps timed), measured after
+a few warm-up steps of the same call (tracing, XLA compilation and the start of
 `fit` are left out: they are paid once per run, not per step).
 
 `compare` runs several runners in rounds, alternating their order; within a
@@ -21,33 +21,33 @@ WARMUP = 3
 
 
 class StepTimer(keras.callbacks.Callback):
-    """Times the steps of one `fit` after its first `warmup` steps."""
+    """Times the steps of one `fit` from the end of step `warmup` on (with
+    `steps_per_execution=k`, from the first call ending at or after it)."""
 
     def __init__(self, warmup=WARMUP):
         super().__init__()
         self.warmup = warmup
-        self.batches = 0
         self.start = None
         self.end = None
 
     def on_train_batch_end(self, batch, logs=None):
-        self.batches += 1
-        now = (time.perf_counter(), time.process_time())
-        if self.batches == self.warmup:
+        now = (time.perf_counter(), time.process_time(), batch)
+        if self.start is None and batch + 1 >= self.warmup:
             self.start = now
         self.end = now
 
     def seconds(self):
-        return self.end[0] - self.start[0], self.end[1] - self.start[1]
+        return (self.end[0] - self.start[0], self.end[1] - self.start[1],
+                self.end[2] - self.start[2])
 
 
-def fit_runner(fit):
+def fit_runner(fit, warmup=WARMUP):
     """A runner from `fit(steps, callbacks)`, which calls some model's fit
     for `steps` steps with `callbacks`."""
 
     def run(steps):
-        timer = StepTimer()
-        fit(WARMUP + steps, [timer])
+        timer = StepTimer(warmup)
+        fit(warmup + steps, [timer])
         return timer.seconds()
 
     return run
@@ -65,7 +65,7 @@ def loop_runner(step):
         for _ in range(steps):
             result = step()
         float(result)
-        return time.perf_counter() - wall, time.process_time() - cpu
+        return time.perf_counter() - wall, time.process_time() - cpu, steps
 
     return run
 
@@ -112,7 +112,7 @@ def compare(runners, steps, rounds):
         order = names if index % 2 == 0 else names[::-1]
         for name in order:
             run, samples = runners[name]
-            wall, cpu = run(steps)
-            result.rates[name].append(samples * steps / wall)
-            result.cpu_rates[name].append(samples * steps / max(cpu, 1e-9))
+            wall, cpu, timed = run(steps)
+            result.rates[name].append(samples * timed / wall)
+            result.cpu_rates[name].append(samples * timed / max(cpu, 1e-9))
     return result

@@ -89,12 +89,13 @@ def main():
     import cases
     import models
 
-    steps, rounds = (10, 3) if args.quick else (30, 7)
+    steps, rounds = (10, 3) if args.quick else (20, 11)
     wanted = set(filter(None, args.only.split(","))) or {"P1", "P2", "P3", "XLA", "spe", "P5", "coll"}
     sections = [
         ("P1", lambda: cases.fit_vs_bare(models.mlp, 256, steps, rounds)
          + cases.fit_vs_bare(models.convnet, 64, steps, rounds)),
-        ("P2", lambda: cases.towers_vs_stock(models.convnet, devices[:2], 64, steps, rounds)),
+        ("P2", lambda: cases.towers_vs_stock(models.convnet, devices[:2], 64, steps, rounds)
+         + cases.towers_vs_stock(models.transformer, devices[:2], 32, steps, rounds, with_xla=True)),
         ("P3", lambda: cases.generator_overlap(models.mlp, 64, steps, rounds)),
         ("XLA", lambda: cases.xla_gain(models.transformer, devices[:2], 32, steps, rounds)),
         ("spe", lambda: cases.steps_per_execution(models.small_mlp, 32, 4 * steps, rounds)),

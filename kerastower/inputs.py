@@ -337,16 +337,26 @@ class _ArrayInput(DatasetInput):
         super().__init__(self._make_dataset())
 
     def _make_dataset(self):
-        dataset = tf.data.Dataset.from_tensor_slices(self._element)
+        # Batches of example indices, shuffled as the examples would be (a
+        # shuffle's order depends on its seed and size only), then one
+        # gather per batch: far cheaper than slicing every example and
+        # batching them one by one.
+        indices = tf.data.Dataset.range(self._length)
         if self._shuffle:
-            dataset = dataset.shuffle(self._length, seed=self._seed, reshuffle_each_iteration=True)
+            indices = indices.shuffle(self._length, seed=self._seed, reshuffle_each_iteration=True)
         if self._repeat:
             # Endless, so every tower always gets a whole batch: a static
             # batch size (when the passes divide evenly) spares the step
             # reducing the towers' example counts.
             whole = self._length % self.batch_size == 0
-            return dataset.batch(self.batch_size, drop_remainder=whole).repeat()
-        return dataset.batch(self.batch_size)
+            indices = indices.batch(self.batch_size, drop_remainder=whole).repeat()
+        else:
+            indices = indices.batch(self.batch_size)
+        arrays = tf.data.Dataset.from_tensors(self._element).repeat()
+        return tf.data.Dataset.zip((indices, arrays)).map(
+            lambda batch, element: tf.nest.map_structure(lambda a: tf.gather(a, batch), element),
+            num_parallel_calls=tf.data.AUTOTUNE, deterministic=True,
+        ).prefetch(tf.data.AUTOTUNE)
 
     def distribute(self, strategy, skip_batches=None):
         if self._shuffle:

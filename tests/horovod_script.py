@@ -126,6 +126,9 @@ def train(out):
         history = model.fit(endless(), steps_per_epoch=3, epochs=2, verbose=0, callbacks=[probe])
         results["history"] = history.history
         results["context"] = contexts[0]
+        results["collectives"] = kt.collectives_per_step(model)
+        results["variables"] = [len(model.trainable_variables),
+                                sum(len(m.variables) for m in model.metrics)]
         np.savez(os.path.join(out, f"weights_rank{rank}.npz"), *model.get_weights())
         x, y = data()
         results["evaluate"] = model.evaluate(x, y, batch_size=5, verbose=0, return_dict=True)

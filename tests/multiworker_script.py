@@ -34,6 +34,8 @@ def main(out):
     result = {
         "towers": model.num_towers,
         "history": history.history,
+        "collectives": kt.collectives_per_step(model),
+        "variables": [len(model.trainable_variables), sum(len(m.variables) for m in model.metrics)],
         "evaluate": model.evaluate(x, y, batch_size=5, verbose=0, return_dict=True),
         "predict_rows": int(model.predict(x, batch_size=5, verbose=0).shape[0]),
         "nonfinite": shared.fit_with_a_nan_on_rank_1(worker),

@@ -50,6 +50,18 @@ def test_ranks_are_towers_and_end_with_identical_weights(trained):
     assert r0["history"] == r1["history"]
 
 
+def test_a_step_launches_two_collectives_and_metrics_are_reduced_per_epoch(trained):
+    """Each step: whether any rank has data (a Max of one scalar), then one
+    grouped allreduce of the gradients with the example counts folded in.
+    The metrics' state is summed once, when the epoch's logs are read."""
+    _, (r0, r1) = trained
+    gradients, metric_state = r0["variables"]
+    assert r0["collectives"] == r1["collectives"] == {
+        "step": [["all_reduce", 1], ["all_reduce", gradients + 1]],
+        "logs": [["all_reduce", metric_state]],
+    }
+
+
 def test_two_ranks_equal_one_process_on_the_joined_batches(trained):
     """2 ranks x batch 8 for 6 steps = one process x batch 16 for 6 steps;
     the logged metrics and the evaluation are the same too."""

@@ -18,6 +18,7 @@ One step of N towers:
 
 import collections
 import contextlib
+import functools
 import threading
 
 import warnings
@@ -113,6 +114,9 @@ def _example_weighted_sum(ctx, gradients, variables, key):
     weighted gradients). With the example counts not known in advance, each
     tower adds `n_i * g_i` and its count in ONE all-reduce, then divides by
     the total: no separate all-reduce of the counts."""
+    if ctx.total == 1:  # one tower: its gradients are the step's
+        present = [g for g in gradients if g is not None]
+        return list(gradients), present
     if not ctx.example_weight_deferred:
         weighted = [_weighted(g, v, ctx.example_weight) for g, v in zip(gradients, variables)]
         reduced, _ = reduce_tower_gradients(ctx.strategy, ctx, gradients, weighted, key)
@@ -390,7 +394,11 @@ def make_step_function(model, tower_step, mode):
         with collectives.phase("logs"):
             logs = (strategy.metrics_result(model) if strategy.single_process
                     else strategy.local_metrics_result(model))
-        return steps, examples, tower_examples, tower_batches, logs, (finite, bad_towers)
+        # One vector, read back in one transfer.
+        counters = tf.concat([
+            tf.stack([steps, examples, tf.cast(finite, tf.int32)]),
+            tower_examples, tower_batches, bad_towers], axis=0)
+        return counters, logs
 
     step_function = predict_function if mode == "predict" else function
     recorded = _recording_collectives(model, mode, step_function)
@@ -457,9 +465,7 @@ def run_steps(function, iterator, num_steps, what="step"):
 
     `what` names the steps in errors (e.g. "Training step 12")."""
     try:
-        steps, examples, tower_examples, tower_batches, outputs, health = function(
-            iterator, tf.constant(num_steps)
-        )
+        counters, outputs = function(iterator, _as_tensor(num_steps))
     except tf.errors.OutOfRangeError:
         return StepsRun(0, 0, None, 0, None, None)
     except tf.errors.UnavailableError as error:
@@ -472,8 +478,17 @@ def run_steps(function, iterator, num_steps, what="step"):
     except tf.errors.OpError as error:
         failure = step_errors.explain(error, what)
         raise failure from failure.__cause__
-    finite, bad_towers = health
+    counters = np.asarray(counters)
+    steps, examples, finite = (int(c) for c in counters[:3])
+    tower_examples, tower_batches, bad_towers = np.split(counters[3:], 3)
     return StepsRun(
-        int(steps), int(examples), tower_examples, np.asarray(tower_batches, np.int64), outputs,
-        None if bool(finite) else np.flatnonzero(np.asarray(bad_towers)).tolist(),
+        steps, examples, tower_examples, tower_batches.astype(np.int64), outputs,
+        None if finite else np.flatnonzero(bad_towers).tolist(),
     )
+
+
+@functools.lru_cache(maxsize=64)
+def _as_tensor(num_steps):
+    # Made once per value: a new constant every call costs as much as a
+    # small step's work.
+    return tf.constant(num_steps)
