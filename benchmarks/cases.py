@@ -238,3 +238,43 @@ def measured_rate(build, strategy, devices, batch, steps):
         wall, _, timed = run(steps)
         rates.append(model.num_towers * batch * timed / wall)
     return float(np.median(rates)), model
+
+
+class _OneCostTrainer(kt.Trainer):
+    """The step fit runs, written as a kt.Trainer's run_step."""
+
+    def run_step(self):
+        return self.hooked_run(self.train_step, self.next_batches())
+
+    @kt.Trainer.tower_function
+    def train_step(self, data):
+        model = self.model
+        x, y = data
+        with tf.GradientTape() as tape:
+            loss = model.tower_loss(x, y, model(x, training=True))
+        model.optimizer.apply(tape.gradient(loss, model.trainable_weights))
+        return {"loss": loss}
+
+
+def trainer_vs_fit(build, devices, batch, steps, rounds):
+    """kt.Trainer's Python loop (one run_step per step, logs read every
+    step) against TowerModel.fit on the same 2 towers."""
+    x, y = models.examples(build, POOL * batch)
+    source = kt.DummyConstantInput((x[:batch], y[:batch]))
+    fit_model = _tower_model("mirrored", build, devices)
+    trainer_model = _tower_model("mirrored", build, devices)
+    trainer_model.fit(source, steps_per_epoch=1, verbose=0)  # builds loss and metrics
+    trainer = _OneCostTrainer(trainer_model, source)
+
+    def train(steps, callbacks):
+        trainer.train(callbacks=callbacks, steps_per_epoch=steps, starting_epoch=trainer.epoch_num + 1,
+                      max_epoch=trainer.epoch_num + 1, verbose=0)
+
+    runners = {
+        "fit": (harness.fit_runner(_fit_source(fit_model, source)), 2 * batch),
+        "trainer": (harness.fit_runner(train), 2 * batch),
+    }
+    result = harness.compare(runners, steps, rounds)
+    return [(f"kt.Trainer {build.__name__}", "kt.Trainer run_step / TowerModel.fit, 2 towers",
+             result.ratio("trainer", "fit"), result.ratio("trainer", "fit", cpu=True), None,
+             f"{result.rate('fit'):.0f} samples/s fit")]

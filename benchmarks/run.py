@@ -11,7 +11,7 @@ with the goal where the project sets one:
   P2   2 towers / stock Keras fit under MirroredStrategy, same total batch
   P3   GeneratorInput over a slow Python source / a constant input
   XLA  jit_compile=True / False
-  spe  steps_per_execution=8 / 1
+  spe  steps_per_execution=8 / 1; kt.Trainer's run_step loop / fit
   P5   Horovod 2 ranks / mirrored 2 towers; towers 1, 2, 4 / 1 device
 and the collectives one step launches under each strategy.
 Without GPUs, the CPU is split into 4 logical devices.
@@ -98,7 +98,8 @@ def main():
          + cases.towers_vs_stock(models.transformer, devices[:2], 32, steps, rounds, with_xla=True)),
         ("P3", lambda: cases.generator_overlap(models.mlp, 64, steps, rounds)),
         ("XLA", lambda: cases.xla_gain(models.transformer, devices[:2], 32, steps, rounds)),
-        ("spe", lambda: cases.steps_per_execution(models.small_mlp, 32, 4 * steps, rounds)),
+        ("spe", lambda: cases.steps_per_execution(models.small_mlp, 32, 4 * steps, rounds)
+         + cases.trainer_vs_fit(models.convnet, devices[:2], 64, steps, rounds)),
         ("P5", lambda: cases.scaling(models.convnet, devices, 64, steps, rounds)),
     ]
     print(f"machine: {machine(where)}")

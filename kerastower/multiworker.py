@@ -97,7 +97,8 @@ class MultiWorkerStrategy(TowerStrategy):
         metrics = list(model.metrics)
 
         def summed_in_tower():
-            return self.all_reduce_sum([v.value for m in metrics for v in m.variables])
+            # This tower's own copy of each (sync-on-read) metric variable.
+            return self.all_reduce_sum([tf.identity(v.value) for m in metrics for v in m.variables])
 
         summed = self.tf_strategy.run(summed_in_tower)
         return self.metrics_from_sums(metrics, [self.tower_values(v)[0] for v in summed])
