@@ -117,16 +117,30 @@ def flatten_layers(model):
     return list(_method(model, "_flatten_layers")())
 
 
+def _traced_nodes(function):
+    """Every node of the graphs `function` (a tf.function) has traced,
+    nested functions included, each function counted once."""
+    concrete = _method(function, "_list_all_concrete_functions")()
+    functions, nodes = {}, []
+    for graph_def in (c.graph.as_graph_def() for c in concrete):
+        nodes += list(graph_def.node)
+        functions.update((f.signature.name, f) for f in graph_def.library.function)
+    return nodes + [n for f in functions.values() for n in f.node_def]
+
+
 def xla_compiled_calls(function):
     """How many calls to XLA-compiled functions the graphs `function` (a
     tf.function) has traced hold, nested functions included."""
-    concrete = _method(function, "_list_all_concrete_functions")()
-    count = 0
-    for graph_def in (c.graph.as_graph_def() for c in concrete):
-        for node in [n for f in graph_def.library.function for n in f.node_def] + list(graph_def.node):
-            if "_XlaMustCompile" in node.attr and node.attr["_XlaMustCompile"].b:
-                count += 1
-    return count
+    return sum(1 for node in _traced_nodes(function)
+               if "_XlaMustCompile" in node.attr and node.attr["_XlaMustCompile"].b)
+
+
+def op_counts(function):
+    """{op type: how many} over the graphs `function` has traced."""
+    counts = {}
+    for node in _traced_nodes(function):
+        counts[node.op] = counts.get(node.op, 0) + 1
+    return counts
 
 
 def op_determinism():

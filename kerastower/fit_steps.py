@@ -43,6 +43,7 @@ class FitSteps(Iteration):
         self.steps_per_call = model.steps_per_execution
         self.function = model.make_train_function()
         self.logs = {}
+        self.endless = False
         self._announced = False
         self.failure = None
         self.terminate_on_nan = any(
@@ -53,6 +54,9 @@ class FitSteps(Iteration):
     def start(self, skip_batches, epoch_num):
         strategy = self.model.tower_strategy
         if self.steps_per_epoch:
+            # Every process must agree, or one would wait in a collective
+            # the others skip.
+            self.endless = strategy.all_agree(self.source.endless(strategy.num_towers))
             self.distributed = self.source.distribute(strategy, skip_batches=skip_batches)
             self.iterator = iter(self.distributed)
             return
@@ -87,7 +91,7 @@ class FitSteps(Iteration):
         self.run_hooks.before_run()
         first = self.loop.global_step + 1
         what = f"Training step {first}" + (f" (or up to {first + num_steps - 1})" if num_steps > 1 else "")
-        run = tf_step.run_steps(self.function, self.iterator, num_steps, what)
+        run = tf_step.run_steps(self.function, self.iterator, num_steps, what, self.endless)
         self.run_hooks.after_run(run.logs)
         steps = run.steps
         if run.nonfinite_towers is not None:

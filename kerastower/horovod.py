@@ -125,7 +125,12 @@ class HorovodStrategy(TowerStrategy):
         main = self.hvd.broadcast(tf.convert_to_tensor(variable), root_rank=0)
         variable.assign(value_fn(self.hvd.rank(), main))
 
-    def next_step(self, iterator):
+    def all_agree(self, flag):
+        return bool(self.hvd.allreduce(tf.constant(int(bool(flag))), op=self.hvd.Min))
+
+    def next_step(self, iterator, endless=False):
+        if endless:
+            return tf.constant(True), iterator.get_next
         optional = iterator.get_next_as_optional()
         mine = optional.has_value()
         # A rank out of data must still join the step while another has some,

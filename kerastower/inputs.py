@@ -97,6 +97,16 @@ class InputSource:
         """The `tf.TensorSpec` structure of tower 0's batches."""
         return self.tower_dataset(TowerInputContext(0, total)).element_spec
 
+    def endless(self, total):
+        """Whether every tower's pipeline is endless (e.g. `.repeat()`), so a
+        step never needs to ask whether some tower ran out."""
+        indices = range(total) if self.per_tower else [0]
+        return all(
+            int(self.tower_dataset(TowerInputContext(i, total)).cardinality())
+            == int(tf.data.INFINITE_CARDINALITY)
+            for i in indices
+        )
+
     def check_finite(self, total):
         """Raises when the input never ends: an epoch that is one pass over
         it (fit without steps_per_epoch) would never end."""

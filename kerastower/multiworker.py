@@ -86,10 +86,12 @@ class MultiWorkerStrategy(TowerStrategy):
     def first_local_tower(self):
         return self.worker_index * self.local_towers
 
-    def next_step(self, iterator):
-        # TensorFlow agrees across workers whether any has data left.
-        collectives.note("all_reduce", 1, self.first_local_tower())
-        return super().next_step(iterator)
+    def next_step(self, iterator, endless=False):
+        if not endless:
+            # TensorFlow's distributed iterator agrees across workers whether
+            # any has data left (not for an endless input).
+            collectives.note("all_reduce", 1, self.first_local_tower())
+        return super().next_step(iterator, endless)
 
     def metrics_result(self, model):
         # One batched all-reduce of every metric's state (totals, counts),

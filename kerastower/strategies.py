@@ -217,10 +217,16 @@ class TowerStrategy:
         for index, copy in enumerate(copies):
             copy.assign(value_fn(index, main))
 
-    def next_step(self, iterator):
+    def all_agree(self, flag):
+        """Whether `flag` (a bool) holds on every process."""
+        return bool(flag)
+
+    def next_step(self, iterator, endless=False):
         """Inside a step function: (whether any tower has a batch left, a
         function giving this step's per-tower batches). Towers whose data has
-        run out while others' has not get an empty batch."""
+        run out while others' has not get an empty batch. `endless` (every
+        tower's input is endless, on every process) spares the processes
+        agreeing on whether any has data."""
         optional = iterator.get_next_as_optional()
         return optional.has_value(), optional.get_value
 

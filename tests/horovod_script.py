@@ -127,11 +127,14 @@ def train(out):
         results["history"] = history.history
         results["context"] = contexts[0]
         results["collectives"] = kt.collectives_per_step(model)
+        results["collective_ops"] = {op: n for op, n in kt._compat.op_counts(model.train_function).items()
+                                     if op.startswith("Horovod")}
         results["variables"] = [len(model.trainable_variables),
                                 sum(len(m.variables) for m in model.metrics)]
         np.savez(os.path.join(out, f"weights_rank{rank}.npz"), *model.get_weights())
         x, y = data()
         results["evaluate"] = model.evaluate(x, y, batch_size=5, verbose=0, return_dict=True)
+        results["collectives_test"] = kt.collectives_per_step(model, "test")
         results["predict_rows"] = int(model.predict(x, batch_size=5, verbose=0).shape[0])
 
         # 2. Only rank 0 writes logs and checkpoints.

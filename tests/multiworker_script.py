@@ -35,6 +35,8 @@ def main(out):
         "towers": model.num_towers,
         "history": history.history,
         "collectives": kt.collectives_per_step(model),
+        "collective_ops": {op: n for op, n in kt._compat.op_counts(model.train_function).items()
+                           if op.startswith("Collective")},
         "variables": [len(model.trainable_variables), sum(len(m.variables) for m in model.metrics)],
         "evaluate": model.evaluate(x, y, batch_size=5, verbose=0, return_dict=True),
         "predict_rows": int(model.predict(x, batch_size=5, verbose=0).shape[0]),

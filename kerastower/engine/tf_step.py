@@ -360,13 +360,16 @@ def make_step_function(model, tower_step, mode):
     def run_towers(data):
         equal = strategy.single_process and _static_equal_batches(strategy, data)
         outputs, examples, health, counts = strategy.run(tower_fn, args=(data, equal))
-        return outputs, strategy.step_examples(examples, counts), health
+        if is_training or strategy.single_process:
+            return outputs, strategy.step_examples(examples, counts), health
+        # Evaluation needs no count per tower: none is gathered across processes.
+        return outputs, tf.zeros([strategy.num_towers], tf.int32), health
 
     def predict_function(data):
         outputs, _, _ = run_towers(data)
         return tf.nest.map_structure(strategy.concat_tower_outputs, outputs)
 
-    def function(iterator, num_steps):
+    def function(iterator, num_steps, endless=False):
         steps = tf.constant(0)
         examples = tf.constant(0)
         tower_examples = tf.zeros([strategy.num_towers], tf.int32)
@@ -376,7 +379,7 @@ def make_step_function(model, tower_step, mode):
         # An optional tells "no data left for any tower" (stop) from a last
         # step where only some towers got a batch (run it).
         for _ in tf.range(num_steps):
-            has_data, next_batches = strategy.next_step(iterator)
+            has_data, next_batches = strategy.next_step(iterator, endless)
             if not has_data:
                 break
             _, tower_examples, per_tower = run_towers(next_batches())
@@ -460,12 +463,13 @@ def logs_across_towers(model):
     return cache.read_logs()
 
 
-def run_steps(function, iterator, num_steps, what="step"):
+def run_steps(function, iterator, num_steps, what="step", endless=False):
     """Runs up to `num_steps` steps of a step function; returns a StepsRun.
 
-    `what` names the steps in errors (e.g. "Training step 12")."""
+    `what` names the steps in errors (e.g. "Training step 12"); `endless`
+    says that no tower's input can run out (see `TowerStrategy.next_step`)."""
     try:
-        counters, outputs = function(iterator, _as_tensor(num_steps))
+        counters, outputs = function(iterator, _as_tensor(num_steps), endless)
     except tf.errors.OutOfRangeError:
         return StepsRun(0, 0, None, 0, None, None)
     except tf.errors.UnavailableError as error:
