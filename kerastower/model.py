@@ -29,6 +29,7 @@ from kerastower import arguments
 from kerastower import batch_checks
 from kerastower import strategies
 from kerastower import inference_loops
+from kerastower.engine import gradients as tower_gradients
 from kerastower.engine import tf_step
 from kerastower.engine import xla
 from kerastower.errors import TowerRuleError
@@ -231,7 +232,7 @@ class TowerModel(keras.Model):
                 self.compute_metrics(x, y, y_pred, sample_weight=sample_weight)
             return tape.gradient(scaled_loss, variables)
 
-        gradients = tf_step.gradients_unless_empty(self, forward_backward, num_examples, variables)
+        gradients = tower_gradients.gradients_unless_empty(self, forward_backward, num_examples, variables)
         self.optimizer.apply(gradients, variables)
         return self.get_metrics_result()
 
