@@ -150,6 +150,7 @@ class TowerModel(keras.Model):
         # work too, are not used: ours compile the towers' part.
         super().compile(*args, jit_compile=False, **kwargs)
         self.tower_jit_compile = xla.resolve(self, jit_compile)
+        self._step_cache.read_logs = None  # it read the metrics compile replaced
 
     def compile_from_config(self, config):
         """Compiles a loaded model as Keras would; needed because `compile`

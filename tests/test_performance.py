@@ -168,3 +168,18 @@ def test_reading_example_weight_in_a_tower_still_works():
         model.fit(x, y, batch_size=8, shuffle=False, verbose=0)
     assert sorted(seen) == [(0, round(8 / 12, 6)), (1, round(4 / 12, 6))]
     assert ("all_reduce", 1) in kt.collectives_per_step(model)["step"]
+
+
+def test_the_logs_read_across_towers_follow_a_recompile():
+    """Where towers span processes, the loops read the metrics through one
+    compiled function; compile() replaces the metrics, so it must too."""
+    from kerastower.engine import tf_step
+
+    x, y = _data(16)
+    model = _model(norm=False)
+    model.fit(x, y, batch_size=8, verbose=0)
+    assert set(tf_step.logs_across_towers(model)) == {"loss", "accuracy"}
+    model.compile(optimizer="sgd", loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+                  metrics=[keras.metrics.SparseCategoricalCrossentropy(from_logits=True, name="xent")])
+    model.fit(x, y, batch_size=8, verbose=0)
+    assert set(tf_step.logs_across_towers(model)) == set(model.get_metrics_result()) == {"loss", "xent"}
