@@ -35,7 +35,7 @@ the same name in two sub-models) get `#2`, `#3` ... in the order of
 import re
 
 from kerastower import _compat
-from kerastower.strategies import training_optimizers
+from kerastower.training_state import training_optimizers
 
 __all__ = ["keyed_variables"]
 

@@ -29,7 +29,7 @@ from kerastower.engine import collectives
 from kerastower.errors import StrategyError
 from kerastower.strategies import TowerStrategy
 from kerastower.strategies import register_strategy
-from kerastower.strategies import training_state
+from kerastower.training_state import training_state
 
 __all__ = ["HorovodStrategy"]
 

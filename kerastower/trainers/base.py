@@ -66,7 +66,7 @@ from kerastower.loop import StopTraining
 from kerastower.loop import training_callbacks
 from kerastower.model import TowerModel
 from kerastower.callbacks.base import RunHooks
-from kerastower.strategies import training_optimizers
+from kerastower.training_state import training_optimizers
 from kerastower.trainers.tower_function import TowerFunction
 
 __all__ = ["Trainer", "StopTraining"]
