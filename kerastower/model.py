@@ -141,13 +141,11 @@ class TowerModel(keras.Model):
 
     def compile(self, *args, jit_compile="auto", **kwargs):
         """As `keras.Model.compile`; `jit_compile` compiles each tower's work
-        with XLA (see `kerastower/engine/xla.py`): on N towers, the forward
-        and backward of `train_step` and the whole `test_step` and
-        `predict_step`; on one tower, the whole step. "auto" uses XLA when
-        the machine has an accelerator, as Keras does on one device."""
+        with XLA (kerastower/engine/xla.py): on N towers `train_step`'s forward
+        and backward and the whole `test_step` and `predict_step`, on one the
+        whole step; "auto" uses XLA when there is an accelerator."""
         kwargs = arguments.compile_kwargs(kwargs)
-        # Keras's own step functions, which would jit-compile the cross-tower
-        # work too, are not used: ours compile the towers' part.
+        # Keras's step functions (they would jit the cross-tower work) are unused.
         super().compile(*args, jit_compile=False, **kwargs)
         self.tower_jit_compile = xla.resolve(self, jit_compile)
         self._step_cache.read_logs = None  # it read the metrics compile replaced
