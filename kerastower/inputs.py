@@ -24,6 +24,7 @@ import inspect
 import numpy as np
 import tensorflow as tf
 
+from kerastower import python_feed
 from kerastower.arguments import integer
 from kerastower.engine import step_errors
 from kerastower.errors import InputSourceError
@@ -211,14 +212,14 @@ class GeneratorInput(InputSource):
     """A Python generator of per-tower batches, run ahead in the background.
 
     Each item the generator yields is one tower's batch; the towers take
-    successive items. The generator runs in tf.data's background threads
-    with `prefetch` items buffered, so a slow Python source overlaps the
-    training step instead of adding to it.
+    successive items. The generator runs in a background thread, `prefetch`
+    items ahead, so a slow Python source overlaps the training step instead
+    of adding to it (kerastower/python_feed.py says how).
 
     Args:
         generator_fn: a callable with no arguments returning a fresh iterator.
         output_signature: the `tf.TensorSpec` structure of one item.
-        prefetch: how many items to prepare ahead.
+        prefetch: how many items to prepare ahead (0: each when it is taken).
 
     Example:
 
@@ -242,24 +243,29 @@ class GeneratorInput(InputSource):
         self._prefetch = int(prefetch)
 
     def _tower_dataset(self, ctx):
+        name = f"GeneratorInput({getattr(self._generator_fn, '__qualname__', repr(self._generator_fn))})"
+
+        # tf.data passes on only the text of an exception; the step that
+        # fails gives the user the exception itself.
+        def record(error, yielded):
+            step_errors.record_generator_error(error, name, yielded, yielded % ctx.total)
+
+        if python_feed.feedable(self._signature):
+            return python_feed.feed_dataset(
+                self._generator_fn, self._signature, self._prefetch, name, record)
         dataset = tf.data.Dataset.from_generator(
-            lambda: self._recording_errors(ctx.total), output_signature=self._signature
+            lambda: self._recording_errors(record), output_signature=self._signature
         )
         return dataset.prefetch(self._prefetch)
 
-    def _recording_errors(self, num_towers):
-        # tf.data passes on only the text of an exception raised here; the
-        # step that fails gives the user the exception itself.
+    def _recording_errors(self, record):
         yielded = 0
         try:
             for item in self._generator_fn():
                 yield item
                 yielded += 1
         except Exception as error:
-            name = getattr(self._generator_fn, "__qualname__", repr(self._generator_fn))
-            step_errors.record_generator_error(
-                error, f"GeneratorInput({name})", yielded, yielded % num_towers
-            )
+            record(error, yielded)
             raise
 
 
