@@ -3,6 +3,8 @@ logical devices the CPU is split into (so the multi-tower path runs anywhere).""
 
 import tensorflow as tf
 
+import kerastower as kt
+
 
 def tower_devices(cpu_towers, gpu_towers=None):
     """Device names for the towers; call it before TensorFlow starts.
@@ -13,8 +15,4 @@ def tower_devices(cpu_towers, gpu_towers=None):
     """
     if tf.config.list_physical_devices("GPU"):
         return [d.name for d in tf.config.list_logical_devices("GPU")][:gpu_towers]
-    cpu = tf.config.list_physical_devices("CPU")[0]
-    tf.config.set_logical_device_configuration(
-        cpu, [tf.config.LogicalDeviceConfiguration() for _ in range(cpu_towers)]
-    )
-    return [f"/cpu:{i}" for i in range(cpu_towers)]
+    return kt.use_cpu_towers(cpu_towers)

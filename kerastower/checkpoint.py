@@ -25,6 +25,16 @@ each weight where it belongs. Variables the model has and the checkpoint
 lacks, the other way round, or of another shape or dtype raise
 `CheckpointMismatchError` listing them, unless `allow_partial=True`, which
 restores the rest and warns about them.
+
+>>> import os, tempfile, keras, numpy as np, kerastower as kt
+>>> folder = tempfile.mkdtemp()
+>>> inputs = keras.Input((3,))
+>>> model = kt.TowerModel(inputs, keras.layers.Dense(1)(inputs))
+>>> model.compile(optimizer="sgd", loss="mse")
+>>> _ = model.fit(np.ones((8, 3)), np.ones((8, 1)), batch_size=4, verbose=0,
+...               callbacks=[kt.callbacks.ModelSaver(folder)])
+>>> os.path.basename(kt.checkpoint.latest_checkpoint(folder))
+'ckpt-00000002'
 """
 
 import json

@@ -20,10 +20,8 @@ from kerastower.errors import StrategyError
 __all__ = ["use_cpu_towers", "parse_devices", "local_devices"]
 
 HOW_TO_MAKE_CPU_DEVICES = (
-    "To split one CPU into N logical devices, run this at the start of the program, "
-    "before any TensorFlow op: tf.config.set_logical_device_configuration("
-    'tf.config.list_physical_devices("CPU")[0], '
-    "[tf.config.LogicalDeviceConfiguration() for _ in range(N)])."
+    "To split one CPU into N logical devices, call kt.use_cpu_towers(N) at the "
+    "start of the program, before any TensorFlow op."
 )
 
 
@@ -32,18 +30,22 @@ def use_cpu_towers(num_towers):
 
     For several towers on a machine without GPUs (tests, examples, trying
     things out). Call it first thing, before TensorFlow runs any op; when
-    TensorFlow has already made at least `num_towers` CPU devices, it
-    returns the first ones.
+    the CPU is already split (or TensorFlow has started) into at least
+    `num_towers` CPU devices, it returns the first ones.
 
-    ```python
-    import kerastower as kt
-
-    devices = kt.use_cpu_towers(2)          # ["/cpu:0", "/cpu:1"]
-    strategy = kt.distributed("mirrored", devices=devices)
-    ```
+    >>> import kerastower as kt
+    >>> devices = kt.use_cpu_towers(2)      # first thing in the program
+    >>> devices
+    ['/cpu:0', '/cpu:1']
+    >>> with kt.distributed("mirrored", devices=devices) as strategy:
+    ...     print(strategy.num_towers)
+    2
     """
     num_towers = integer(num_towers, "num_towers", "use_cpu_towers", minimum=1)
     cpu = tf.config.list_physical_devices("CPU")[0]
+    if len(tf.config.get_logical_device_configuration(cpu) or []) >= num_towers:
+        # Already split (by an earlier call) into enough devices: keep them.
+        return [f"/cpu:{index}" for index in range(num_towers)]
     try:
         tf.config.set_logical_device_configuration(
             cpu, [tf.config.LogicalDeviceConfiguration() for _ in range(num_towers)]

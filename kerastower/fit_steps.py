@@ -14,6 +14,7 @@ from kerastower.engine import nonfinite
 from kerastower.engine import tf_step
 from kerastower.errors import InputSourceError
 from kerastower.loop import Iteration
+from kerastower.loop import announce_total_batch
 from kerastower.loop import unwrapped
 
 __all__ = ["FitSteps"]
@@ -157,16 +158,9 @@ class FitSteps(Iteration):
             model.optimizer.finalize_variable_values(model.trainable_weights)
 
     def _announce_total_batch(self, tower_examples):
-        strategy = self.model.tower_strategy
-        if self._announced or self.verbose == 0 or not strategy.is_chief:
-            return
-        self._announced = True
-        counts = [int(n) for n in np.asarray(tower_examples)]
-        if len(set(counts)) == 1:
-            per_tower = f"{len(counts)} tower(s) x {counts[0]} examples"
-        else:
-            per_tower = f"towers took {', '.join(map(str, counts))} examples"
-        _compat.print_msg(f"kerastower: {per_tower} = total batch {sum(counts)} per step")
+        if not self._announced:
+            self._announced = True
+            announce_total_batch(self.model.tower_strategy, self.verbose, tower_examples)
 
 
 def _due(epoch, validation_freq):

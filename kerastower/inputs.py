@@ -41,7 +41,12 @@ __all__ = [
 TowerInputContext = collections.namedtuple("TowerInputContext", ["index", "total"])
 TowerInputContext.__doc__ = """What a per-tower pipeline function is told:
 `index` is the tower (0-based) whose pipeline is being built, `total` the
-number of towers."""
+number of towers.
+
+>>> import kerastower as kt
+>>> kt.TowerInputContext(index=0, total=2)
+TowerInputContext(index=0, total=2)
+"""
 
 
 class InputSource:
@@ -51,6 +56,16 @@ class InputSource:
     tower `ctx.index` reads, and set `per_tower`: False when all towers share
     one pipeline (each tower takes the next batch), True when each tower has
     its own.
+
+    >>> import numpy as np, tensorflow as tf, kerastower as kt
+    >>> class TowerIndex(kt.InputSource):
+    ...     per_tower = True
+    ...     def _tower_dataset(self, ctx):        # tower ctx.index of ctx.total
+    ...         x = np.full((4, 3), ctx.index, "float32")
+    ...         return tf.data.Dataset.from_tensors((x, np.zeros((4, 1), "float32"))).repeat()
+    >>> x, y = next(iter(TowerIndex().tower_dataset(kt.TowerInputContext(index=1, total=2))))
+    >>> x[0].numpy().tolist()
+    [1.0, 1.0, 1.0]
     """
 
     per_tower = False

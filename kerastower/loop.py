@@ -13,6 +13,7 @@ comes from an `Iteration` (fit: one call of the compiled tower step, see
 tensorpack; Keras callbacks get the 0-based `epoch_num - 1`.
 """
 
+import os
 import warnings
 
 import keras
@@ -32,6 +33,17 @@ class StopTraining(Exception):
 
     The loop stops at once (the current epoch does not finish), every
     callback's `_after_train` runs, and `fit` / `train()` return normally.
+
+    >>> import kerastower as kt
+    >>> class TenSteps(kt.Trainer):
+    ...     def run_step(self):
+    ...         if self.global_step == 10:
+    ...             raise kt.StopTraining("ten steps are enough")
+    >>> trainer = TenSteps()
+    >>> _ = trainer.train(steps_per_epoch=4, max_epoch=5, verbose=0)
+    TenSteps: training was stopped at global step 10: ten steps are enough.
+    >>> trainer.global_step
+    10
     """
 
 
@@ -58,15 +70,23 @@ class LoopState:
             steps_per_epoch).
         training_failed: True while the callbacks' after_train runs for a
             training that raised (not for StopTraining).
+        logdir: the run's log folder (`fit(logdir=...)`), or None: where
+            callbacks without a folder of their own write (MinSaver).
 
     Example:
 
-    ```python
-    class PrintWhere(keras.callbacks.Callback):
-        def on_epoch_end(self, epoch, logs=None):
-            loop = self.model.loop
-            print(loop.epoch_num, loop.local_step, loop.global_step)
-    ```
+    >>> import keras, numpy as np, kerastower as kt
+    >>> class PrintWhere(keras.callbacks.Callback):
+    ...     def on_epoch_end(self, epoch, logs=None):
+    ...         loop = self.model.loop
+    ...         print(loop.epoch_num, loop.local_step, loop.global_step)
+    >>> inputs = keras.Input((3,))
+    >>> model = kt.TowerModel(inputs, keras.layers.Dense(1)(inputs))
+    >>> model.compile(optimizer="sgd", loss="mse")
+    >>> _ = model.fit(np.ones((12, 3)), np.ones((12, 1)), batch_size=4, epochs=2,
+    ...               verbose=0, callbacks=[PrintWhere()])
+    1 3 3
+    2 3 6
     """
 
     def __init__(self):
@@ -81,6 +101,7 @@ class LoopState:
         self.epoch_ended = False
         self.one_pass = False
         self.training_failed = False
+        self.logdir = None
 
     def __repr__(self):
         return (
@@ -121,6 +142,19 @@ class Iteration:
         """After the last epoch, before on_train_end."""
 
 
+def announce_total_batch(strategy, verbose, tower_examples):
+    """The start line of a training run, on the chief: the towers, each
+    one's batch (`tower_examples`, by tower) and the total batch."""
+    if verbose == 0 or not strategy.is_chief:
+        return
+    counts = [int(n) for n in tower_examples]
+    if len(set(counts)) == 1:
+        per_tower = f"{len(counts)} tower(s) x {counts[0]} examples"
+    else:
+        per_tower = f"towers took {', '.join(map(str, counts))} examples"
+    _compat.print_msg(f"kerastower: {per_tower} = total batch {sum(counts)} per step")
+
+
 def unwrapped(callback):
     """The callback a wrapper (PeriodicTrigger, EnableCallbackIf) holds."""
     while hasattr(callback, "callback") and isinstance(callback, KtCallback):
@@ -129,12 +163,10 @@ def unwrapped(callback):
 
 
 def _with_default_monitors(callbacks, verbose, logdir):
-    """The user's callbacks with kerastower's progress bar first and, given a
-    logdir, throughput, TensorBoard and stats.json writers at the end."""
+    """The user's callbacks, then, given a logdir, throughput, TensorBoard
+    and stats.json writers, and kerastower's progress bar last."""
     callbacks = list(callbacks or [])
     kinds = tuple(type(unwrapped(cb)) for cb in callbacks)
-    if verbose != 0 and not any(issubclass(k, keras.callbacks.ProgbarLogger) for k in kinds):
-        callbacks.insert(0, monitors.ProgressBar())
     if logdir is not None:
         for kind, make in (
             (monitors.ThroughputTracker, monitors.ThroughputTracker),
@@ -143,6 +175,9 @@ def _with_default_monitors(callbacks, verbose, logdir):
         ):
             if not any(issubclass(k, kind) for k in kinds):
                 callbacks.append(make())
+    if verbose != 0 and not any(issubclass(k, keras.callbacks.ProgbarLogger) for k in kinds):
+        # Last, as Keras puts its own: the epoch line shows what the others added.
+        callbacks.append(monitors.ProgressBar())
     return callbacks
 
 
@@ -168,6 +203,7 @@ def callbacks_for_this_process(strategy, callbacks):
 def training_callbacks(model, callbacks, verbose, logdir, epochs, steps):
     """The CallbackList a training run calls: the user's callbacks with the
     default monitors, those of this process only, with a History."""
+    model.loop.logdir = None if logdir is None else os.fspath(logdir)
     if isinstance(callbacks, keras.callbacks.CallbackList):
         return callbacks
     return keras.callbacks.CallbackList(
@@ -269,10 +305,12 @@ class MainLoop:
         gives every process the chief's variables and resume state; returns
         that state, or None."""
         state = None
+        self.restored_from = None
         for callback in getattr(self.callbacks, "callbacks", self.callbacks):
             restore = getattr(unwrapped(callback), "restore_training_state", None)
             if restore is not None and self.strategy.is_chief:
                 state = restore() or state
+                self.restored_from = getattr(unwrapped(callback), "restored_from", None)
         state = self.strategy.broadcast_object(None if state is None else state.to_dict())
         self.strategy.sync_initial_state(self.model)
         tf_step.seed_towers_apart(self.model)
@@ -292,6 +330,12 @@ class MainLoop:
         epoch_num, first_step, skip = state.start_position(steps_per_epoch)
         if skip is not None:
             loop.tower_batches = list(skip)
+        if self.strategy.is_chief and getattr(self.callbacks, "params", {}).get("verbose", 1):
+            _compat.print_msg(
+                f"{self.name}: resumed from {self.restored_from or 'a checkpoint'} "
+                f"(global step {state.global_step}): going on at epoch {epoch_num}, "
+                f"step {first_step}."
+            )
         if state.steps_per_epoch != loop.steps_per_epoch and steps_per_epoch:
             _compat.print_msg(
                 f"{self.name}: the checkpoint was written with steps_per_epoch="
@@ -337,9 +381,11 @@ class MainLoop:
             return
         # On failure, tensorpack's after_train runs (kt callbacks); Keras
         # callbacks keep Keras's contract, where on_train_end means training
-        # completed (BackupAndRestore would delete its backup).
+        # completed (BackupAndRestore would delete its backup). TensorBoard's
+        # only closes its writers, which would else stay the thread's
+        # default summary writer after the failed run.
         for callback in getattr(self.callbacks, "callbacks", []):
-            if not isinstance(callback, KtCallback):
+            if not isinstance(callback, (KtCallback, keras.callbacks.TensorBoard)):
                 continue
             try:
                 callback.on_train_end(logs)

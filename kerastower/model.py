@@ -58,8 +58,8 @@ class TowerModel(keras.Model):
     """A `keras.Model` that trains with tensorpack's tower semantics.
 
     Use it like `keras.Model`: functionally (`kt.TowerModel(inputs,
-    outputs)`), by subclassing, or around an existing model with
-    `kt.TowerModel.wrap(model)`. Create it under the strategy it will train
+    outputs)`), by subclassing, or around an existing Keras model with
+    `kt.TowerModel(model)`. Create it under the strategy it will train
     with (inside a `kt.distributed` function or block).
 
     The steps `train_step`, `test_step` and `predict_step` are tower
@@ -76,6 +76,10 @@ class TowerModel(keras.Model):
     """
 
     def __new__(cls, *args, **kwargs):
+        if cls is TowerModel and args and isinstance(args[0], keras.Model):
+            from kerastower import functional
+
+            return functional.wrapped_by_new(cls, args, kwargs)
         # Keras makes `SomeModel(inputs, outputs)` functional by rewriting the
         # bases of SomeModel and of its parents, TowerModel included, which
         # would turn every later subclass functional too. A functional twin of
@@ -91,6 +95,11 @@ class TowerModel(keras.Model):
         return super().__new__(cls)
 
     def __init__(self, *args, **kwargs):
+        if self.__dict__.get("_built_from_model") is not None:
+            from kerastower import functional
+
+            if functional.built_by_new(self, args, kwargs):
+                return
         if _compat.functional_init_arguments(args, kwargs) and not isinstance(self, _compat.functional_class()):
             # Keras would make this class, and TowerModel with it, functional
             # for good by rewriting their bases.
@@ -110,25 +119,16 @@ class TowerModel(keras.Model):
 
     @classmethod
     def wrap(cls, model):
-        """A TowerModel that shares the layers and weights of `model`.
+        """A TowerModel that shares the layers and weights of `model`, as
+        `kt.TowerModel(model)` makes.
 
         A functional or Sequential model is rebuilt on the same layers;
         any other model is called from a thin TowerModel around it. Build or
         create `model` under the same strategy the TowerModel trains with.
         """
-        if not isinstance(model, keras.Model):
-            raise TypeError(f"TowerModel.wrap takes a keras.Model; got {type(model).__name__}.")
-        if isinstance(model, TowerModel):
-            return model
-        try:
-            inputs, outputs = model.inputs, model.outputs
-        except (AttributeError, ValueError):
-            inputs = outputs = None
-        if inputs and outputs:
-            return cls(inputs=inputs, outputs=outputs, name=f"tower_{model.name}")
-        from kerastower.functional import WrappedTowerModel
+        from kerastower import functional
 
-        return WrappedTowerModel(model)
+        return functional.wrap(cls, model)
 
     @property
     def tower_strategy(self):

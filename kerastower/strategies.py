@@ -57,7 +57,7 @@ def _warn_stock_fit(model):
         f"kerastower: {model.name} is a plain keras.Model, so stock Keras trains it "
         f"under {strategy}: each batch of batch_size examples is split over the "
         f"{strategy.num_towers} replicas, with no towers or per-tower batches. To train "
-        "it with kerastower's towers, use kt.TowerModel.wrap(model) (created under the "
+        "it with kerastower's towers, use kt.TowerModel(model) (created under the "
         "same kt.distributed) or build it as a kt.TowerModel.",
         stacklevel=3,
     )
@@ -72,6 +72,13 @@ class TowerStrategy:
     Args:
         name: the registry name this strategy was made from.
         tf_strategy: the `tf.distribute.Strategy` that places the towers.
+
+    `kt.distributed(name)` makes one and enters it:
+
+    >>> import kerastower as kt
+    >>> with kt.distributed("mirrored", devices=["/cpu:0", "/cpu:1"]) as strategy:
+    ...     print(strategy.num_towers, strategy.single_process)
+    2 True
     """
 
     # Whether every tower runs in this process: then reading the towers'
@@ -293,6 +300,14 @@ def register_strategy(name, factory):
         name: the string users pass to `kt.distributed`.
         factory: `factory(devices)` returning a `TowerStrategy`; `devices` is
             the list the user gave, or None.
+
+    >>> import tensorflow as tf, kerastower as kt
+    >>> def first_cpu(devices):
+    ...     return kt.TowerStrategy("first_cpu", tf.distribute.OneDeviceStrategy("/cpu:0"))
+    >>> kt.register_strategy("first_cpu", first_cpu)
+    >>> with kt.distributed("first_cpu") as strategy:
+    ...     print(strategy.num_towers)
+    1
     """
     if not isinstance(name, str) or not name:
         raise StrategyError(f"A strategy name must be a non-empty str; got {name!r}.")
@@ -300,7 +315,12 @@ def register_strategy(name, factory):
 
 
 def strategy_names():
-    """The names `kt.distributed` accepts, sorted."""
+    """The names `kt.distributed` accepts, sorted.
+
+    >>> import kerastower as kt
+    >>> {"single", "mirrored", "horovod", "multiworker"} <= set(kt.strategy_names())
+    True
+    """
     return sorted(_REGISTRY)
 
 
@@ -346,13 +366,16 @@ class distributed:
 
     Example:
 
-    ```python
-    @kt.distributed("mirrored")
-    def train():
-        model = kt.TowerModel(inputs, outputs)
-        model.compile(optimizer="sgd", loss="mse")
-        return model.fit(x, y, batch_size=32)   # 32 per tower
-    ```
+    >>> import keras, numpy as np, kerastower as kt
+    >>> @kt.distributed("mirrored", devices=["/cpu:0", "/cpu:1"])
+    ... def train():
+    ...     inputs = keras.Input((3,))
+    ...     model = kt.TowerModel(inputs, keras.layers.Dense(1)(inputs))
+    ...     model.compile(optimizer="sgd", loss="mse")
+    ...     model.fit(np.ones((32, 3)), np.ones((32, 1)), batch_size=8, verbose=0)
+    ...     return model.loop.global_step     # 8 per tower, 16 per step
+    >>> train()
+    2
     """
 
     def __init__(self, name="mirrored", devices=None):

@@ -80,6 +80,24 @@ def test_min_and_max_savers_keep_the_best_model(two_towers, tmp_path):
     assert isinstance(keras.models.load_model(str(tmp_path / "min-loss.keras")), kt.TowerModel)
 
 
+def test_min_and_max_savers_write_into_the_runs_log_folder(two_towers, tmp_path, monkeypatch):
+    x, y = id_data(32)
+    inputs = keras.Input((4,))
+    model = kt.TowerModel(inputs, keras.layers.Dense(3)(inputs))
+    model.compile(optimizer="sgd", metrics=["accuracy"],
+                  loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    monkeypatch.chdir(tmp_path)  # where the savers used to write
+    logdir = tmp_path / "runs" / "1"
+    model.fit(x, y, batch_size=4, epochs=2, verbose=0, logdir=logdir,
+              callbacks=[kt.callbacks.MinSaver("loss"), kt.callbacks.MaxSaver("accuracy")])
+    assert {"min-loss.keras", "max-accuracy.keras", "stats.json"} <= set(os.listdir(logdir))
+    assert sorted(os.listdir(tmp_path)) == ["runs"]
+    # Without a log folder or a checkpoint_dir, nothing trains and the error says what to give.
+    with pytest.raises(kt.errors.KerasTowerError, match=r"MaxSaver\('accuracy'\) has no folder.*logdir="):
+        model.fit(x, y, batch_size=4, epochs=1, verbose=0, callbacks=[kt.callbacks.MaxSaver("accuracy")])
+    assert model.loop.global_step == 2 * 4
+
+
 def test_sigkill_mid_epoch_then_resume_is_bit_equal(tmp_path):
     """A real process killed with SIGKILL in the middle of an epoch, resumed
     by a new process, ends with the weights of an uninterrupted run."""

@@ -1,9 +1,13 @@
-"""Every python example in README.md and docs/ runs."""
+"""Every python example in README.md and docs/ runs, and every public name
+has a runnable example in its docstring."""
 
+import doctest
 import os
 import re
 
 import pytest
+
+import kerastower as kt
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PAGES = ["README.md"] + sorted(
@@ -50,3 +54,24 @@ def test_every_test_the_reliability_table_cites_exists():
             source = f.read()
         if name is not None:
             assert re.search(rf"^def {name}\(", source, flags=re.M), f"{path}::{name}"
+
+
+def test_every_test_the_why_page_cites_exists():
+    """docs/why.md backs each kerastower cell with a test: each must exist."""
+    with open(os.path.join(ROOT, "docs", "why.md")) as f:
+        cited = re.findall(r"`(test_\w+\.py)::(\w+)`", f.read())
+    assert len(cited) >= 8
+    for path, name in cited:
+        with open(os.path.join(ROOT, "tests", path)) as f:
+            assert re.search(rf"^def {name}\(", f.read(), flags=re.M), f"{path}::{name}"
+
+
+@pytest.mark.parametrize("name", kt.__all__)
+def test_every_public_name_has_a_docstring_example_that_runs(name):
+    found = doctest.DocTestFinder(recurse=False).find(getattr(kt, name), name=f"kt.{name}", globs={})
+    assert any(test.examples for test in found), f"kt.{name}'s docstring has no >>> example"
+    report = []
+    runner = doctest.DocTestRunner(optionflags=doctest.ELLIPSIS | doctest.NORMALIZE_WHITESPACE)
+    for test in found:
+        runner.run(test, out=report.append)
+    assert runner.failures == 0, "".join(report)[-3000:]

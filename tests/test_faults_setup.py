@@ -28,7 +28,7 @@ from kerastower.errors import MonitorWriteWarning
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 FOUR_CPUS = "/device:CPU:0, /device:CPU:1, /device:CPU:2, /device:CPU:3"
-MAKE_CPUS = "tf.config.set_logical_device_configuration"
+MAKE_CPUS = "call kt.use_cpu_towers(N) at the start of the program"
 
 
 def _regression(features=4, outputs=1, loss="mse", **compile_kwargs):

@@ -65,10 +65,67 @@ def test_stats_json_continues_after_a_resume(tmp_path):
     assert [(r["epoch_num"], r["global_step"]) for r in records] == [(1, 2), (2, 4), (3, 6), (4, 8)]
 
 
+def test_a_failed_run_leaves_no_default_summary_writer_behind(two_towers, tmp_path):
+    class Fail(keras.callbacks.Callback):
+        def on_epoch_end(self, epoch, logs=None):
+            raise RuntimeError("killed")
+
+    logdir = str(tmp_path / "run")
+    with pytest.raises(RuntimeError, match="killed"):
+        mlp().fit(_endless(), steps_per_epoch=2, epochs=2, verbose=0, logdir=logdir,
+                  callbacks=[Fail()])
+    # Else later summaries anywhere in the program would go into this run's logs.
+    assert not bool(tf.summary.scalar("after_the_failed_fit", 1.0, step=0))
+    assert _scalar_steps(logdir, "batch_loss") == [1, 2]
+
+
 def test_progress_bar_shows_samples_per_second(two_towers, capsys):
     model = mlp()
     model.fit(_endless(), steps_per_epoch=3, epochs=1, verbose=1)
     assert "samples/s" in capsys.readouterr().out
+
+
+def test_the_epoch_line_shows_inference_runner_figures_and_the_learning_rate(two_towers, capsys):
+    x, y = id_data(16)
+    model = mlp(optimizer=keras.optimizers.SGD(0.0123))
+    runner = kt.callbacks.InferenceRunner((x, y), [kt.callbacks.ScalarStats(["loss", "accuracy"])])
+    model.fit(_endless(), steps_per_epoch=2, epochs=2, verbose=2, callbacks=[runner])
+    lines = [line for line in capsys.readouterr().out.splitlines() if " - loss: " in line]
+    assert len(lines) == 2, lines  # one line per epoch
+    for line in lines:
+        assert " - val_loss: " in line and " - val_accuracy: " in line, line
+        assert " - learning_rate: 0.0123" in line, line
+
+
+def test_a_trainer_prints_the_start_line_fit_prints(two_towers, capsys):
+    class SumTrainer(kt.Trainer):
+        def run_step(self):
+            return self.hooked_run(self.summed, self.next_batches())
+
+        @kt.Trainer.tower_function(reduce="sum")
+        def summed(self, batch):
+            return {"sum": tf.reduce_sum(batch)}
+
+    data = tf.data.Dataset.from_tensors(tf.ones([3])).repeat()
+    SumTrainer(None, data).train(steps_per_epoch=2, max_epoch=1, verbose=2)
+    model = mlp()
+    model.fit(_endless(batch=3), steps_per_epoch=2, epochs=1, verbose=2)
+    starts = [line for line in capsys.readouterr().out.splitlines() if line.startswith("kerastower: ")]
+    assert starts == ["kerastower: 2 tower(s) x 3 examples = total batch 6 per step"] * 2
+
+
+def test_a_resumed_run_says_from_which_checkpoint_epoch_and_step(two_towers, tmp_path, capsys):
+    ckpt = str(tmp_path / "ckpt")
+    model = mlp()
+    model.fit(_endless(), steps_per_epoch=3, epochs=1, verbose=0,
+              callbacks=[kt.callbacks.ModelSaver(ckpt)])
+    capsys.readouterr()
+    resumed = mlp()
+    resumed.fit(_endless(), steps_per_epoch=3, epochs=2, verbose=2,
+                callbacks=[kt.callbacks.AutoResume(ckpt)])
+    lines = [line for line in capsys.readouterr().out.splitlines() if "resumed from" in line]
+    assert lines == [f"fit: resumed from {os.path.join(ckpt, 'ckpt-00000003')} (global step 3): "
+                     "going on at epoch 2, step 0."]
 
 
 def test_printers_and_time_left(two_towers, capsys):

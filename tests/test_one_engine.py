@@ -214,7 +214,7 @@ def test_a_plain_keras_model_fitted_inside_kt_distributed_warns_once():
         inputs = keras.Input((2,))
         plain = keras.Model(inputs, keras.layers.Dense(1)(inputs))
         plain.compile(optimizer="sgd", loss="mse")
-        with pytest.warns(UserWarning, match=r"plain keras.Model.*TowerModel.wrap"):
+        with pytest.warns(UserWarning, match=r"plain keras.Model.*kt.TowerModel\(model\)"):
             plain.fit(x, y, batch_size=8, verbose=0)
         import warnings
 

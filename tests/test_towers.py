@@ -171,6 +171,53 @@ def test_wrap_existing_keras_models(two_towers):
         )
 
 
+def _existing_keras_model(kind):
+    keras.utils.set_random_seed(1)
+    if kind == "sequential":
+        return keras.Sequential([keras.Input((4,)), keras.layers.Dense(8, activation="relu"),
+                                 keras.layers.Dense(3)])
+    if kind == "functional":
+        inputs = keras.Input((4,))
+        hidden = keras.layers.Dense(8, activation="relu")(inputs)
+        return keras.Model(inputs, keras.layers.Dense(3)(hidden))
+
+    class Subclassed(keras.Model):
+        def __init__(self):
+            super().__init__()
+            self.hidden = keras.layers.Dense(8, activation="relu")
+            self.out = keras.layers.Dense(3)
+
+        def call(self, x):
+            return self.out(self.hidden(x))
+
+    return Subclassed()
+
+
+@pytest.mark.parametrize("kind", ["sequential", "functional", "subclassed"])
+def test_tower_model_of_an_existing_model_equals_one_device_on_the_joined_batch(kind):
+    x, y = id_data(32)
+    weights = []
+    for strategy, devices, batch in (("single", None, 8), ("mirrored", TWO, 4)):
+        with kt.distributed(strategy, devices=devices):
+            keras_model = _existing_keras_model(kind)
+            model = kt.TowerModel(keras_model)
+            assert isinstance(model, kt.TowerModel) and kt.TowerModel(model) is model
+            model.compile(optimizer=keras.optimizers.Adam(0.01),
+                          loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+            model.fit(x, y, batch_size=batch, epochs=2, shuffle=False, verbose=0)
+            # The Keras model's own weights are the ones trained.
+            for own, trained in zip(keras_model.get_weights(), model.get_weights()):
+                np.testing.assert_array_equal(own, trained)
+            weights.append(model.get_weights())
+    for one_device, towers in zip(*weights):
+        np.testing.assert_allclose(towers, one_device, atol=1e-5)
+
+
+def test_tower_model_of_a_model_with_more_arguments_says_what_to_do():
+    with pytest.raises(TypeError, match=r"takes an existing Keras model alone; got also name"):
+        kt.TowerModel(_existing_keras_model("sequential"), name="other")
+
+
 def test_logs_are_example_weighted_over_towers_per_batch_and_at_epoch_end(two_towers):
     """Tower 0 takes 2 examples a step, tower 1 takes 6: the logged loss is
     the mean over the 8 examples, per batch and at the end of the epoch."""

@@ -49,9 +49,19 @@ __all__ = [
 
 
 class ProgressBar(keras.callbacks.ProgbarLogger):
-    """Keras's progress bar, showing samples/s summed over all towers."""
+    """Keras's progress bar, showing samples/s summed over all towers, and
+    at each epoch's end the learning rate. fit puts it after every other
+    callback, as Keras does its own, so the epoch line has what they added
+    to the logs (InferenceRunner's val_*, samples_per_sec)."""
 
     chief_only = True
+
+    def on_epoch_end(self, epoch, logs=None):
+        shown = dict(logs or {})
+        rate = _learning_rate(self.model)
+        if rate is not None:
+            shown.setdefault("learning_rate", rate)
+        super().on_epoch_end(epoch, shown)
 
     def on_epoch_begin(self, epoch, logs=None):
         super().on_epoch_begin(epoch, logs)
@@ -65,6 +75,15 @@ class ProgressBar(keras.callbacks.ProgbarLogger):
         if seconds > 0 and examples > 0:
             shown["samples/s"] = examples / seconds
         super().on_train_batch_end(batch, shown)
+
+
+def _learning_rate(model):
+    """The optimizer's current learning rate as a float, or None."""
+    rate = getattr(getattr(model, "optimizer", None), "learning_rate", None)
+    try:
+        return float(keras.ops.convert_to_numpy(rate))
+    except (TypeError, ValueError):
+        return None
 
 
 class ThroughputTracker(Callback):

@@ -151,7 +151,7 @@ class _BestSaver(Callback):
     """Saves the model as `<filename>.keras` when triggered (by default, at
     every epoch end) and `stat` in the logs is a new best."""
 
-    def __init__(self, stat, filename=None, checkpoint_dir=".", better=None):
+    def __init__(self, stat, filename=None, checkpoint_dir=None, better=None):
         super().__init__()
         self.stat = stat
         self.filename = filename or f"{type(self).__name__.lower().replace('saver', '')}-{stat}"
@@ -160,14 +160,32 @@ class _BestSaver(Callback):
         self.best = None
 
     @property
+    def folder(self):
+        """`checkpoint_dir`, else the run's log folder (`fit(logdir=...)`)."""
+        if self.checkpoint_dir is not None:
+            return os.fspath(self.checkpoint_dir)
+        model = getattr(self, "model", None)
+        return getattr(getattr(model, "loop", None), "logdir", None)
+
+    @property
     def path(self):
-        return os.path.join(self.checkpoint_dir, self.filename + ".keras")
+        return os.path.join(self.folder, self.filename + ".keras")
+
+    def _before_train(self):
+        if self.folder is None:
+            name = type(self).__name__
+            raise KerasTowerError(
+                f"{name}({self.stat!r}) has no folder to save the best model into: "
+                "give the run a log folder, fit(..., logdir='runs/1') (where "
+                f"TensorBoard, stats.json and {name} write), or give "
+                f"{name}(..., checkpoint_dir=...) a folder of its own."
+            )
 
     def _trigger(self):
         value = self.read_stat(self.logs, self.stat)
         if self.best is None or self._better(value, self.best):
             self.best = value
-            os.makedirs(self.checkpoint_dir, exist_ok=True)
+            os.makedirs(self.folder, exist_ok=True)
             staging = self.path + ".writing.keras"
             self.model.save(staging)
             os.replace(staging, self.path)
@@ -175,16 +193,28 @@ class _BestSaver(Callback):
 
 class MinSaver(_BestSaver):
     """Keeps the model with the lowest `stat` (an epoch-log key such as
-    "val_loss") as `<checkpoint_dir>/<filename>.keras`."""
+    "val_loss") as `<filename>.keras` in `checkpoint_dir`, by default the
+    run's log folder (`fit(..., logdir=...)`).
 
-    def __init__(self, stat, filename=None, checkpoint_dir="."):
+    Example:
+
+    ```python
+    model.fit(x, y, epochs=5, validation_data=(vx, vy), logdir="runs/1",
+              callbacks=[kt.callbacks.MinSaver("val_loss")])
+    # the best epoch's model: runs/1/min-val_loss.keras
+    ```
+    """
+
+    def __init__(self, stat, filename=None, checkpoint_dir=None):
         super().__init__(stat, filename, checkpoint_dir, better=lambda new, best: new < best)
 
 
 class MaxSaver(_BestSaver):
-    """Keeps the model with the highest `stat` (e.g. "val_accuracy")."""
+    """Keeps the model with the highest `stat` (e.g. "val_accuracy") as
+    `<filename>.keras` in `checkpoint_dir`, by default the run's log folder
+    (`fit(..., logdir=...)`): `runs/1/max-val_accuracy.keras`."""
 
-    def __init__(self, stat, filename=None, checkpoint_dir="."):
+    def __init__(self, stat, filename=None, checkpoint_dir=None):
         super().__init__(stat, filename, checkpoint_dir, better=lambda new, best: new > best)
 
 

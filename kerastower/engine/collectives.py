@@ -94,6 +94,15 @@ def collectives_per_step(model, mode="train"):
     Args:
         model: a `kt.TowerModel` that has run `fit`, `evaluate` or `predict`.
         mode: "train", "test" or "predict".
+
+    >>> import keras, numpy as np, kerastower as kt
+    >>> with kt.distributed("single"):
+    ...     inputs = keras.Input((3,))
+    ...     model = kt.TowerModel(inputs, keras.layers.Dense(1)(inputs))
+    ...     model.compile(optimizer="sgd", loss="mse")
+    ...     _ = model.fit(np.ones((8, 3)), np.ones((8, 1)), batch_size=4, verbose=0)
+    >>> kt.collectives_per_step(model)     # one device: nothing to synchronise
+    {'step': [], 'logs': []}
     """
     recorded = model._step_cache.collectives
     launches = recorded.get(mode, {"step": [], "logs": []})

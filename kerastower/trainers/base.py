@@ -62,6 +62,7 @@ from kerastower.inputs import as_input_source
 from kerastower.loop import Iteration
 from kerastower.loop import LoopState
 from kerastower.loop import MainLoop
+from kerastower.loop import announce_total_batch
 from kerastower.loop import StopTraining
 from kerastower.loop import training_callbacks
 from kerastower.model import TowerModel
@@ -95,6 +96,17 @@ class Trainer:
 
     Attributes:
         loop: the `kt.LoopState`, whose `global_step` counts iterations.
+
+    >>> import kerastower as kt
+    >>> class Counter(kt.Trainer):
+    ...     def _setup(self):
+    ...         self.count = self.add_variable("count")   # checkpointed, resumed
+    ...     def run_step(self):
+    ...         self.count.assign_add(1.0)
+    >>> counter = Counter()
+    >>> _ = counter.train(steps_per_epoch=3, max_epoch=2, verbose=0)
+    >>> float(counter.count.numpy()), counter.global_step
+    (6.0, 6)
     """
 
     def __init__(self, model=None, input=None, train_op=None):
@@ -104,7 +116,7 @@ class Trainer:
             raise TypeError(
                 f"{type(self).__name__} trains a kt.TowerModel; got "
                 f"{type(model).__name__}. Subclass kt.TowerModel (or use "
-                "kt.TowerModel.wrap(model)) so callbacks and checkpoints can find "
+                "kt.TowerModel(model)) so callbacks and checkpoints can find "
                 "its variables and loop state."
             )
         if input is not None and not isinstance(input, (InputSource, tf.data.Dataset)):
@@ -209,16 +221,20 @@ class Trainer:
             )
         self.loop.tower_batches = [n + 1 for n in self.loop.tower_batches]
         batches = batches()
-        self.loop.examples_seen += self._examples_in(batches)
+        tower_examples = self._examples_in(batches)
+        self.loop.examples_seen += sum(tower_examples)
+        if not self._announced:
+            self._announced = True
+            announce_total_batch(self.strategy, self._verbose, tower_examples)
         return batches
 
     def _examples_in(self, batches):
-        """Examples in one step's batches, all towers counted. A process sees
-        its own towers' batches; with one tower per process (Horovod,
-        multi-worker), the others are counted as the same size: an endless
-        input gives every tower a whole batch."""
+        """Examples in one step's batches, by tower. A process sees its own
+        towers' batches; with one tower per process (Horovod, multi-worker),
+        the others are counted as the same size: an endless input gives
+        every tower a whole batch."""
         local = [int(num_examples(batch)) for batch in self.strategy.tower_values(batches)]
-        return sum(local) * self.num_towers // max(len(local), 1)
+        return (local * self.num_towers)[:self.num_towers] if len(local) < self.num_towers else local
 
     @staticmethod
     def tower_function(fn=None, *, reduce="mean", training=True):
@@ -294,6 +310,7 @@ class Trainer:
             self.model, callbacks, verbose, logdir, epochs=max_epoch, steps=steps_per_epoch
         )
         self._run_hooks = RunHooks(callbacks)
+        self._verbose, self._announced = verbose, False
         fit_loop, self.model.loop = self.model.loop, self.loop
         try:
             MainLoop(self.model, self.loop, callbacks, type(self).__name__).run(
