@@ -20,8 +20,6 @@ New engines (Horovod, multi-worker) register themselves with
 
 import functools
 import threading
-import warnings
-import weakref
 
 import tensorflow as tf
 
@@ -41,31 +39,6 @@ __all__ = [
 ]
 
 
-_warned_stock_models = weakref.WeakSet()
-
-
-def _warn_stock_fit(model):
-    """A plain keras.Model fitted inside kt.distributed is trained by stock
-    Keras: say so once, and how to get towers."""
-    if hasattr(model, "tower_strategy") or model in _warned_stock_models:
-        return  # a TowerModel
-    if not is_explicit() or current_strategy().num_towers < 2:
-        return
-    strategy = current_strategy()
-    _warned_stock_models.add(model)
-    warnings.warn(
-        f"kerastower: {model.name} is a plain keras.Model, so stock Keras trains it "
-        f"under {strategy}: each batch of batch_size examples is split over the "
-        f"{strategy.num_towers} replicas, with no towers or per-tower batches. To train "
-        "it with kerastower's towers, use kt.TowerModel(model) (created under the "
-        "same kt.distributed) or build it as a kt.TowerModel.",
-        stacklevel=3,
-    )
-
-
-_compat.install_stock_fit_check(_warn_stock_fit)
-
-
 class TowerStrategy:
     """Runs a step once per tower on a `tf.distribute.Strategy`.
 
@@ -73,12 +46,10 @@ class TowerStrategy:
         name: the registry name this strategy was made from.
         tf_strategy: the `tf.distribute.Strategy` that places the towers.
 
-    `kt.distributed(name)` makes one and enters it:
-
     >>> import kerastower as kt
     >>> with kt.distributed("mirrored", devices=["/cpu:0", "/cpu:1"]) as strategy:
-    ...     print(strategy.num_towers, strategy.single_process)
-    2 True
+    ...     print(strategy.num_towers)
+    2
     """
 
     # Whether every tower runs in this process: then reading the towers'
