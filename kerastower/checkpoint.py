@@ -26,15 +26,16 @@ lacks, the other way round, or of another shape or dtype raise
 `CheckpointMismatchError` listing them, unless `allow_partial=True`, which
 restores the rest and warns about them.
 
->>> import os, tempfile, keras, numpy as np, kerastower as kt
->>> folder = tempfile.mkdtemp()
->>> inputs = keras.Input((3,))
->>> model = kt.TowerModel(inputs, keras.layers.Dense(1)(inputs))
->>> model.compile(optimizer="sgd", loss="mse")
->>> _ = model.fit(np.ones((8, 3)), np.ones((8, 1)), batch_size=4, verbose=0,
-...               callbacks=[kt.callbacks.ModelSaver(folder)])
->>> os.path.basename(kt.checkpoint.latest_checkpoint(folder))
-'ckpt-00000002'
+Examples:
+    >>> import os, tempfile, keras, numpy as np, kerastower as kt
+    >>> folder = tempfile.mkdtemp()
+    >>> inputs = keras.Input((3,))
+    >>> model = kt.TowerModel(inputs, keras.layers.Dense(1)(inputs))
+    >>> model.compile(optimizer="sgd", loss="mse")
+    >>> _ = model.fit(np.ones((8, 3)), np.ones((8, 1)), batch_size=4, verbose=0,
+    ...               callbacks=[kt.callbacks.ModelSaver(folder)])
+    >>> os.path.basename(kt.checkpoint.latest_checkpoint(folder))
+    'ckpt-00000002'
 """
 
 import json
@@ -64,6 +65,17 @@ class NonFiniteCheckpointError(KerasTowerError):
     Attributes:
         global_step: the step of the checkpoint that was refused.
         variables: the keys of the variables that were not finite.
+
+    Examples:
+        >>> import keras, numpy as np, kerastower as kt
+        >>> inputs = keras.Input((3,))
+        >>> model = kt.TowerModel(inputs, keras.layers.Dense(1)(inputs))
+        >>> _ = model.layers[-1].kernel.assign(np.full((3, 1), np.nan))
+        >>> try:
+        ...     kt.checkpoint.write_checkpoint("ckpt", model, {"global_step": 8, "epoch_num": 1, "local_step": 8})
+        ... except kt.checkpoint.NonFiniteCheckpointError as error:
+        ...     print(error.global_step, error.variables)
+        8 ['model/dense/kernel']
     """
 
     def __init__(self, global_step, variables):
@@ -87,6 +99,20 @@ class CheckpointMismatchError(KerasTowerError):
         missing: [(key, shape)] the model has and the checkpoint lacks.
         unexpected: [(key, shape)] the checkpoint has and the model lacks.
         reshaped: [(key, saved shape and dtype, model shape and dtype)].
+
+    Examples:
+        >>> import keras, numpy as np, kerastower as kt
+        >>> inputs = keras.Input((3,))
+        >>> model = kt.TowerModel(inputs, keras.layers.Dense(1)(inputs))
+        >>> path = kt.checkpoint.write_checkpoint(
+        ...     "ckpt", model, {"global_step": 7, "epoch_num": 1, "local_step": 7})
+        >>> wider_inputs = keras.Input((4,))
+        >>> wider = kt.TowerModel(wider_inputs, keras.layers.Dense(1)(wider_inputs))
+        >>> try:
+        ...     kt.checkpoint.read_checkpoint(path, wider)
+        ... except kt.checkpoint.CheckpointMismatchError as error:
+        ...     print(error.reshaped)
+        [('model/dense/kernel', '(3, 1) float32', '(4, 1) float32')]
     """
 
     def __init__(self, path, missing, unexpected, reshaped):
@@ -118,7 +144,17 @@ def _describe(missing, unexpected, reshaped):
 
 def list_checkpoints(directory):
     """Every checkpoint folder `ckpt-<step>` in `directory`, intact or not,
-    oldest first, as (step, path); `verify_checkpoint` says which are intact."""
+    oldest first, as (step, path); `verify_checkpoint` says which are intact.
+
+    Examples:
+        >>> import keras, numpy as np, kerastower as kt
+        >>> inputs = keras.Input((3,))
+        >>> model = kt.TowerModel(inputs, keras.layers.Dense(1)(inputs))
+        >>> path = kt.checkpoint.write_checkpoint(
+        ...     "ckpt", model, {"global_step": 7, "epoch_num": 1, "local_step": 7})
+        >>> kt.checkpoint.list_checkpoints("ckpt")
+        [(7, 'ckpt/ckpt-00000007')]
+    """
     found = {}
     for step, path in checkpoint_files.candidates(directory):
         found[step] = path  # ckpt-N comes after ckpt-N.previous
@@ -127,12 +163,38 @@ def list_checkpoints(directory):
 
 def verify_checkpoint(path):
     """The manifest of the checkpoint at `path` if it is complete, intact and
-    finite; else raises DamagedCheckpointError saying why."""
+    finite; else raises DamagedCheckpointError saying why.
+
+    Examples:
+        >>> import keras, numpy as np, kerastower as kt
+        >>> inputs = keras.Input((3,))
+        >>> model = kt.TowerModel(inputs, keras.layers.Dense(1)(inputs))
+        >>> path = kt.checkpoint.write_checkpoint(
+        ...     "ckpt", model, {"global_step": 7, "epoch_num": 1, "local_step": 7})
+        >>> kt.checkpoint.verify_checkpoint(path)["global_step"]
+        7
+        >>> with open(path + "/state.json", "a") as f:      # one byte more
+        ...     _ = f.write(" ")
+        >>> kt.checkpoint.verify_checkpoint(path)
+        Traceback (most recent call last):
+        ...
+        kerastower.checkpoint_files.DamagedCheckpointError: The checkpoint ckpt/ckpt-00000007 cannot be used: wrong size of file state.json: ... bytes, the manifest says .... ...
+    """
     return checkpoint_files.verify(path)
 
 
 def latest_checkpoint(directory):
-    """The path of the newest intact checkpoint in `directory`, or None."""
+    """The path of the newest intact checkpoint in `directory`, or None.
+
+    Examples:
+        >>> import keras, numpy as np, kerastower as kt
+        >>> inputs = keras.Input((3,))
+        >>> model = kt.TowerModel(inputs, keras.layers.Dense(1)(inputs))
+        >>> path = kt.checkpoint.write_checkpoint(
+        ...     "ckpt", model, {"global_step": 7, "epoch_num": 1, "local_step": 7})
+        >>> kt.checkpoint.latest_checkpoint("ckpt")
+        'ckpt/ckpt-00000007'
+    """
     for _, path in reversed(checkpoint_files.candidates(directory)):
         try:
             checkpoint_files.verify(path)
@@ -144,7 +206,14 @@ def latest_checkpoint(directory):
 
 def clean_up(directory):
     """Removes the temporary folders killed writes left in `directory`;
-    returns the paths removed. One process writes a directory at a time."""
+    returns the paths removed. One process writes a directory at a time.
+
+    Examples:
+        >>> import os, kerastower as kt
+        >>> os.makedirs("ckpt/.writing-1234")       # what a save killed midway leaves
+        >>> kt.checkpoint.clean_up("ckpt")
+        ['ckpt/.writing-1234']
+    """
     return checkpoint_files.clean_up(directory)
 
 
@@ -157,11 +226,41 @@ def _all_finite(value):
     return not tf.as_dtype(value.dtype).is_floating or bool(np.isfinite(value).all())
 
 
+def _state_text(state):
+    """`state` as JSON, or a KerasTowerError when no resume could read it."""
+    missing = [key for key in checkpoint_files.REQUIRED_STATE if key not in state]
+    if missing:
+        raise KerasTowerError(
+            f"The checkpoint state {state!r} lacks {missing}: a resume reads the "
+            "loop's position from them. Give global_step, epoch_num and local_step."
+        )
+    try:
+        return json.dumps(state, indent=1, sort_keys=True)
+    except (TypeError, ValueError) as error:
+        raise KerasTowerError(
+            f"The checkpoint state must be JSON-able; json says: {error}. Store "
+            "numbers, strings, lists and dicts."
+        ) from None
+
+
 def write_checkpoint(directory, model, state, retention=None):
     """Writes the variables of `model` and its optimizers, and `state` (a
     JSON-able dict with a `global_step`), as `ckpt-<global_step>`; returns
     its path. `retention` (JSON-able) goes into the manifest. Raises
-    NonFiniteCheckpointError, writing nothing, when a variable holds NaN or Inf."""
+    NonFiniteCheckpointError, writing nothing, when a variable holds NaN or Inf.
+
+    `state` must hold `global_step`, `epoch_num` and `local_step` (the loop's
+    position, which a resume reads); other JSON-able keys are kept.
+
+    Examples:
+        >>> import keras, kerastower as kt
+        >>> inputs = keras.Input((3,))
+        >>> model = kt.TowerModel(inputs, keras.layers.Dense(1)(inputs))
+        >>> kt.checkpoint.write_checkpoint(
+        ...     "ckpt", model, {"global_step": 7, "epoch_num": 1, "local_step": 7})
+        'ckpt/ckpt-00000007'
+    """
+    state_text = _state_text(state)
     step = int(state["global_step"])
     keyed = keyed_variables(model)
     values = [_numpy(v) for _, _, v in keyed]
@@ -179,7 +278,7 @@ def write_checkpoint(directory, model, state, retention=None):
                 tensors=values,
             )
         with open(os.path.join(folder, checkpoint_files.STATE), "w") as f:
-            json.dump(state, f, indent=1, sort_keys=True)
+            f.write(state_text)
 
     fields = {
         "variables": [
@@ -220,6 +319,20 @@ def read_checkpoint(path, model, allow_partial=False):
     incomplete, damaged or holds NaN/Inf, and CheckpointMismatchError when
     the variables do not fit, unless `allow_partial`, which restores those
     that fit and warns about the others.
+
+    Examples:
+        >>> import keras, numpy as np, kerastower as kt
+        >>> inputs = keras.Input((3,))
+        >>> model = kt.TowerModel(inputs, keras.layers.Dense(1)(inputs))
+        >>> path = kt.checkpoint.write_checkpoint(
+        ...     "ckpt", model, {"global_step": 7, "epoch_num": 1, "local_step": 7})
+        >>> kernel = model.layers[-1].kernel
+        >>> saved = kernel.numpy()
+        >>> _ = kernel.assign(np.zeros((3, 1)))
+        >>> kt.checkpoint.read_checkpoint(path, model)
+        {'epoch_num': 1, 'global_step': 7, 'local_step': 7}
+        >>> bool(np.array_equal(kernel.numpy(), saved))
+        True
     """
     manifest = checkpoint_files.verify(path)
     with open(os.path.join(path, checkpoint_files.STATE)) as f:
@@ -255,6 +368,17 @@ def restore_latest(directory, model, allow_partial=False):
     Each damaged, incomplete or non-finite checkpoint on the way is skipped
     with a warning saying why; when there are checkpoints and none is
     intact, raises a KerasTowerError naming each and its reason.
+
+    Examples:
+        >>> import keras, numpy as np, kerastower as kt
+        >>> inputs = keras.Input((3,))
+        >>> model = kt.TowerModel(inputs, keras.layers.Dense(1)(inputs))
+        >>> path = kt.checkpoint.write_checkpoint(
+        ...     "ckpt", model, {"global_step": 7, "epoch_num": 1, "local_step": 7})
+        >>> kt.checkpoint.restore_latest("ckpt", model)
+        ('ckpt/ckpt-00000007', {'epoch_num': 1, 'global_step': 7, 'local_step': 7})
+        >>> kt.checkpoint.restore_latest("no-checkpoints-here", model)
+        (None, None)
     """
     skipped = []
     for _, path in reversed(checkpoint_files.candidates(directory)):

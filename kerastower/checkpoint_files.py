@@ -45,7 +45,7 @@ STAGING_PREFIX = ".writing-"
 DELETING_PREFIX = ".deleting-"
 PREVIOUS = ".previous"
 _NAME = re.compile(r"^ckpt-(\d+)(\.previous)?$")
-_REQUIRED_STATE = ("epoch_num", "local_step", "global_step")
+REQUIRED_STATE = ("epoch_num", "local_step", "global_step")
 
 
 class DamagedCheckpointError(KerasTowerError):
@@ -54,6 +54,20 @@ class DamagedCheckpointError(KerasTowerError):
     Attributes:
         path: the folder.
         reason: what is wrong with it, in words.
+
+    Examples:
+        >>> import keras, numpy as np, kerastower as kt
+        >>> inputs = keras.Input((3,))
+        >>> model = kt.TowerModel(inputs, keras.layers.Dense(1)(inputs))
+        >>> path = kt.checkpoint.write_checkpoint(
+        ...     "ckpt", model, {"global_step": 7, "epoch_num": 1, "local_step": 7})
+        >>> os_remove = __import__("os").remove
+        >>> os_remove(path + "/manifest.json")
+        >>> try:
+        ...     kt.checkpoint.read_checkpoint(path, model)
+        ... except kt.checkpoint.DamagedCheckpointError as error:
+        ...     print(error.path, "|", error.reason)
+        ckpt/ckpt-00000007 | ...manifest...
     """
 
     def __init__(self, path, reason):
@@ -271,7 +285,7 @@ def verify(path):
     try:
         with open(os.path.join(path, STATE)) as f:
             state = json.load(f)
-        missing = [key for key in _REQUIRED_STATE if key not in state]
+        missing = [key for key in REQUIRED_STATE if key not in state]
     except (OSError, ValueError, TypeError) as error:
         raise DamagedCheckpointError(
             path, f"unreadable {STATE} ({type(error).__name__}: {error})"

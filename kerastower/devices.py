@@ -33,13 +33,14 @@ def use_cpu_towers(num_towers):
     the CPU is already split (or TensorFlow has started) into at least
     `num_towers` CPU devices, it returns the first ones.
 
-    >>> import kerastower as kt
-    >>> devices = kt.use_cpu_towers(2)      # first thing in the program
-    >>> devices
-    ['/cpu:0', '/cpu:1']
-    >>> with kt.distributed("mirrored", devices=devices) as strategy:
-    ...     print(strategy.num_towers)
-    2
+    Examples:
+        >>> import kerastower as kt
+        >>> devices = kt.use_cpu_towers(2)      # first thing in the program
+        >>> devices
+        ['/cpu:0', '/cpu:1']
+        >>> with kt.distributed("mirrored", devices=devices) as strategy:
+        ...     print(strategy.num_towers)
+        2
     """
     num_towers = integer(num_towers, "num_towers", "use_cpu_towers", minimum=1)
     cpu = tf.config.list_physical_devices("CPU")[0]

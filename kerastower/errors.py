@@ -17,12 +17,13 @@ __all__ = [
 class KerasTowerError(Exception):
     """Base class of every error kerastower raises on purpose.
 
-    >>> import kerastower as kt
-    >>> try:
-    ...     kt.distributed("no-such-strategy")
-    ... except kt.KerasTowerError as error:
-    ...     print(type(error).__name__)
-    StrategyError
+    Examples:
+        >>> import kerastower as kt
+        >>> try:
+        ...     kt.distributed("no-such-strategy")
+        ... except kt.KerasTowerError as error:
+        ...     print(type(error).__name__)
+        StrategyError
     """
 
 
@@ -30,21 +31,23 @@ class TowerRuleError(KerasTowerError):
     """A tower function broke one of the tower rules (see docs/towers.md),
     e.g. created a variable inside a tower.
 
-    >>> import kerastower as kt
-    >>> issubclass(kt.TowerRuleError, kt.KerasTowerError)
-    True
+    Examples:
+        >>> import kerastower as kt
+        >>> issubclass(kt.TowerRuleError, kt.KerasTowerError)
+        True
     """
 
 
 class InputSourceError(KerasTowerError, ValueError):
     """An input given to fit/evaluate/predict cannot feed the towers.
 
-    >>> import kerastower as kt
-    >>> try:
-    ...     kt.GeneratorInput(iter([]), None)     # a generator, not a function
-    ... except kt.InputSourceError as error:
-    ...     print(str(error)[:49])
-    GeneratorInput needs a function that returns a ne
+    Examples:
+        >>> import kerastower as kt
+        >>> try:
+        ...     kt.GeneratorInput(iter([]), None)     # a generator, not a function
+        ... except kt.InputSourceError as error:
+        ...     print(str(error)[:49])
+        GeneratorInput needs a function that returns a ne
     """
 
 
@@ -53,28 +56,30 @@ class DataMismatchError(InputSourceError):
     against its outputs and loss (shape or dtype). `__cause__` is Keras's
     own error, where Keras raised one.
 
-    >>> import keras, numpy as np, kerastower as kt
-    >>> inputs = keras.Input((3,))
-    >>> model = kt.TowerModel(inputs, keras.layers.Dense(1)(inputs))
-    >>> model.compile(optimizer="sgd", loss="mse")
-    >>> try:
-    ...     model.fit(np.zeros((4, 5)), np.zeros((4, 1)), verbose=0)
-    ... except kt.DataMismatchError:
-    ...     print("x does not fit the model's input")
-    x does not fit the model's input
+    Examples:
+        >>> import keras, numpy as np, kerastower as kt
+        >>> inputs = keras.Input((3,))
+        >>> model = kt.TowerModel(inputs, keras.layers.Dense(1)(inputs))
+        >>> model.compile(optimizer="sgd", loss="mse")
+        >>> try:
+        ...     model.fit(np.zeros((4, 5)), np.zeros((4, 1)), verbose=0)
+        ... except kt.DataMismatchError:
+        ...     print("x does not fit the model's input")
+        x does not fit the model's input
     """
 
 
 class StrategyError(KerasTowerError, ValueError):
     """A strategy name, device list or strategy combination is not usable.
 
-    >>> import kerastower as kt
-    >>> try:
-    ...     with kt.distributed("mirrored", devices=["/cpu:99"]):
-    ...         pass
-    ... except kt.StrategyError as error:
-    ...     print("'/cpu:99' does not exist" in str(error))
-    True
+    Examples:
+        >>> import kerastower as kt
+        >>> try:
+        ...     with kt.distributed("mirrored", devices=["/cpu:99"]):
+        ...         pass
+        ... except kt.StrategyError as error:
+        ...     print("'/cpu:99' does not exist" in str(error))
+        True
     """
 
 
@@ -83,12 +88,13 @@ class ArgumentError(KerasTowerError, TypeError, ValueError):
     float or a str where an int is needed); both `except TypeError` and
     `except ValueError` catch it.
 
-    >>> import kerastower as kt
-    >>> try:
-    ...     kt.use_cpu_towers("two")
-    ... except ValueError as error:
-    ...     print(type(error).__name__)
-    ArgumentError
+    Examples:
+        >>> import kerastower as kt
+        >>> try:
+        ...     kt.use_cpu_towers("two")
+        ... except ValueError as error:
+        ...     print(type(error).__name__)
+        ArgumentError
     """
 
 
@@ -97,9 +103,10 @@ class PeerFailureError(KerasTowerError):
     (docs/reliability.md); restart every worker, and AutoResume goes on
     from the last checkpoint.
 
-    >>> import kerastower as kt
-    >>> issubclass(kt.PeerFailureError, kt.KerasTowerError)
-    True
+    Examples:
+        >>> import kerastower as kt
+        >>> issubclass(kt.PeerFailureError, kt.KerasTowerError)
+        True
     """
 
 
@@ -112,17 +119,18 @@ class NonFiniteError(KerasTowerError, FloatingPointError):
         towers: the indices of this process's towers whose gradients were
             not finite (empty when only another process's were).
 
-    >>> import keras, numpy as np, kerastower as kt
-    >>> inputs = keras.Input((3,))
-    >>> model = kt.TowerModel(inputs, keras.layers.Dense(1)(inputs))
-    >>> model.compile(optimizer="sgd", loss="mse")
-    >>> x = np.ones((8, 3), "float32")
-    >>> x[5] = np.nan                        # in the second batch of 4
-    >>> try:
-    ...     model.fit(x, np.ones((8, 1)), batch_size=4, shuffle=False, verbose=0)
-    ... except kt.NonFiniteError as error:
-    ...     print(error.global_step, model.loop.global_step)
-    2 1
+    Examples:
+        >>> import keras, numpy as np, kerastower as kt
+        >>> inputs = keras.Input((3,))
+        >>> model = kt.TowerModel(inputs, keras.layers.Dense(1)(inputs))
+        >>> model.compile(optimizer="sgd", loss="mse")
+        >>> x = np.ones((8, 3), "float32")
+        >>> x[5] = np.nan                        # in the second batch of 4
+        >>> try:
+        ...     model.fit(x, np.ones((8, 1)), batch_size=4, shuffle=False, verbose=0)
+        ... except kt.NonFiniteError as error:
+        ...     print(error.global_step, model.loop.global_step)
+        2 1
     """
 
     def __init__(self, message, global_step, towers):
@@ -137,19 +145,20 @@ class StepFailedError(KerasTowerError):
     `__cause__` is the user's own exception when a GeneratorInput's
     generator raised, else TensorFlow's error.
 
-    >>> import keras, numpy as np, tensorflow as tf, kerastower as kt
-    >>> def batches():
-    ...     yield np.zeros((2, 3), "float32"), np.zeros((2, 1), "float32")
-    ...     raise OSError("record 2 is unreadable")
-    >>> inputs = keras.Input((3,))
-    >>> model = kt.TowerModel(inputs, keras.layers.Dense(1)(inputs))
-    >>> model.compile(optimizer="sgd", loss="mse")
-    >>> source = kt.GeneratorInput(batches, (tf.TensorSpec((None, 3)), tf.TensorSpec((None, 1))))
-    >>> try:
-    ...     model.fit(source, epochs=1, verbose=0)
-    ... except kt.StepFailedError as error:
-    ...     print(repr(error.__cause__))
-    OSError('record 2 is unreadable')
+    Examples:
+        >>> import keras, numpy as np, tensorflow as tf, kerastower as kt
+        >>> def batches():
+        ...     yield np.zeros((2, 3), "float32"), np.zeros((2, 1), "float32")
+        ...     raise OSError("record 2 is unreadable")
+        >>> inputs = keras.Input((3,))
+        >>> model = kt.TowerModel(inputs, keras.layers.Dense(1)(inputs))
+        >>> model.compile(optimizer="sgd", loss="mse")
+        >>> source = kt.GeneratorInput(batches, (tf.TensorSpec((None, 3)), tf.TensorSpec((None, 1))))
+        >>> try:
+        ...     model.fit(source, epochs=1, verbose=0)
+        ... except kt.StepFailedError as error:
+        ...     print(repr(error.__cause__))
+        OSError('record 2 is unreadable')
     """
 
 
@@ -157,6 +166,7 @@ class MonitorWriteWarning(UserWarning):
     """A monitor (TensorBoard, JSONWriter) could not write its log folder;
     training and checkpoints go on without those logs.
 
-    >>> import warnings, kerastower as kt
-    >>> warnings.simplefilter("error", kt.MonitorWriteWarning)  # or make it fatal
+    Examples:
+        >>> import warnings, kerastower as kt
+        >>> warnings.simplefilter("error", kt.MonitorWriteWarning)  # or make it fatal
     """

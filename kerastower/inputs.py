@@ -57,15 +57,16 @@ class InputSource:
     one pipeline (each tower takes the next batch), True when each tower has
     its own.
 
-    >>> import numpy as np, tensorflow as tf, kerastower as kt
-    >>> class TowerIndex(kt.InputSource):
-    ...     per_tower = True
-    ...     def _tower_dataset(self, ctx):        # tower ctx.index of ctx.total
-    ...         x = np.full((4, 3), ctx.index, "float32")
-    ...         return tf.data.Dataset.from_tensors((x, np.zeros((4, 1), "float32"))).repeat()
-    >>> x, y = next(iter(TowerIndex().tower_dataset(kt.TowerInputContext(index=1, total=2))))
-    >>> x[0].numpy().tolist()
-    [1.0, 1.0, 1.0]
+    Examples:
+        >>> import numpy as np, tensorflow as tf, kerastower as kt
+        >>> class TowerIndex(kt.InputSource):
+        ...     per_tower = True
+        ...     def _tower_dataset(self, ctx):        # tower ctx.index of ctx.total
+        ...         x = np.full((4, 3), ctx.index, "float32")
+        ...         return tf.data.Dataset.from_tensors((x, np.zeros((4, 1), "float32"))).repeat()
+        >>> x, y = next(iter(TowerIndex().tower_dataset(kt.TowerInputContext(index=1, total=2))))
+        >>> x[0].numpy().tolist()
+        [1.0, 1.0, 1.0]
     """
 
     per_tower = False
@@ -192,14 +193,13 @@ class DatasetInput(InputSource):
             step goes to tower k), or a function `fn(ctx)` that builds the
             batched pipeline of tower `ctx.index` out of `ctx.total`.
 
-    Example:
-
-    >>> import tensorflow as tf, kerastower as kt
-    >>> shared = kt.DatasetInput(tf.data.Dataset.range(8).batch(2))
-    >>> per_tower = kt.DatasetInput(
-    ...     lambda ctx: tf.data.Dataset.range(8).shard(ctx.total, ctx.index).batch(2))
-    >>> per_tower.per_tower
-    True
+    Examples:
+        >>> import tensorflow as tf, kerastower as kt
+        >>> shared = kt.DatasetInput(tf.data.Dataset.range(8).batch(2))
+        >>> per_tower = kt.DatasetInput(
+        ...     lambda ctx: tf.data.Dataset.range(8).shard(ctx.total, ctx.index).batch(2))
+        >>> per_tower.per_tower
+        True
     """
 
     def __init__(self, dataset_or_fn):
@@ -236,14 +236,13 @@ class GeneratorInput(InputSource):
         output_signature: the `tf.TensorSpec` structure of one item.
         prefetch: how many items to prepare ahead (0: each when it is taken).
 
-    Example:
-
-    >>> import numpy as np, tensorflow as tf, kerastower as kt
-    >>> def batches():
-    ...     for _ in range(4):
-    ...         yield np.ones((2, 3), "float32"), np.zeros((2,), "int32")
-    >>> source = kt.GeneratorInput(batches, (
-    ...     tf.TensorSpec((None, 3), tf.float32), tf.TensorSpec((None,), tf.int32)))
+    Examples:
+        >>> import numpy as np, tensorflow as tf, kerastower as kt
+        >>> def batches():
+        ...     for _ in range(4):
+        ...         yield np.ones((2, 3), "float32"), np.zeros((2,), "int32")
+        >>> source = kt.GeneratorInput(batches, (
+        ...     tf.TensorSpec((None, 3), tf.float32), tf.TensorSpec((None,), tf.int32)))
     """
 
     def __init__(self, generator_fn, output_signature, prefetch=4):
@@ -294,8 +293,9 @@ class DummyConstantInput(InputSource):
         batch: a structure (tuple, dict) of arrays, or of `tf.TensorSpec`s
             whose shapes are fully known (they become zeros).
 
-    >>> import numpy as np, kerastower as kt
-    >>> source = kt.DummyConstantInput((np.zeros((4, 8), "float32"), np.zeros((4,), "int32")))
+    Examples:
+        >>> import numpy as np, kerastower as kt
+        >>> source = kt.DummyConstantInput((np.zeros((4, 8), "float32"), np.zeros((4,), "int32")))
     """
 
     per_tower = True

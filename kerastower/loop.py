@@ -34,16 +34,17 @@ class StopTraining(Exception):
     The loop stops at once (the current epoch does not finish), every
     callback's `_after_train` runs, and `fit` / `train()` return normally.
 
-    >>> import kerastower as kt
-    >>> class TenSteps(kt.Trainer):
-    ...     def run_step(self):
-    ...         if self.global_step == 10:
-    ...             raise kt.StopTraining("ten steps are enough")
-    >>> trainer = TenSteps()
-    >>> _ = trainer.train(steps_per_epoch=4, max_epoch=5, verbose=0)
-    TenSteps: training was stopped at global step 10: ten steps are enough.
-    >>> trainer.global_step
-    10
+    Examples:
+        >>> import kerastower as kt
+        >>> class TenSteps(kt.Trainer):
+        ...     def run_step(self):
+        ...         if self.global_step == 10:
+        ...             raise kt.StopTraining("ten steps are enough")
+        >>> trainer = TenSteps()
+        >>> _ = trainer.train(steps_per_epoch=4, max_epoch=5, verbose=0)
+        TenSteps: training was stopped at global step 10: ten steps are enough.
+        >>> trainer.global_step
+        10
     """
 
 
@@ -73,20 +74,19 @@ class LoopState:
         logdir: the run's log folder (`fit(logdir=...)`), or None: where
             callbacks without a folder of their own write (MinSaver).
 
-    Example:
-
-    >>> import keras, numpy as np, kerastower as kt
-    >>> class PrintWhere(keras.callbacks.Callback):
-    ...     def on_epoch_end(self, epoch, logs=None):
-    ...         loop = self.model.loop
-    ...         print(loop.epoch_num, loop.local_step, loop.global_step)
-    >>> inputs = keras.Input((3,))
-    >>> model = kt.TowerModel(inputs, keras.layers.Dense(1)(inputs))
-    >>> model.compile(optimizer="sgd", loss="mse")
-    >>> _ = model.fit(np.ones((12, 3)), np.ones((12, 1)), batch_size=4, epochs=2,
-    ...               verbose=0, callbacks=[PrintWhere()])
-    1 3 3
-    2 3 6
+    Examples:
+        >>> import keras, numpy as np, kerastower as kt
+        >>> class PrintWhere(keras.callbacks.Callback):
+        ...     def on_epoch_end(self, epoch, logs=None):
+        ...         loop = self.model.loop
+        ...         print(loop.epoch_num, loop.local_step, loop.global_step)
+        >>> inputs = keras.Input((3,))
+        >>> model = kt.TowerModel(inputs, keras.layers.Dense(1)(inputs))
+        >>> model.compile(optimizer="sgd", loss="mse")
+        >>> _ = model.fit(np.ones((12, 3)), np.ones((12, 1)), batch_size=4, epochs=2,
+        ...               verbose=0, callbacks=[PrintWhere()])
+        1 3 3
+        2 3 6
     """
 
     def __init__(self):

@@ -66,13 +66,12 @@ class TowerModel(keras.Model):
     functions: kerastower calls them once per tower per step, inside a
     `TowerContext`, with that tower's batch.
 
-    Example:
-
-    >>> import keras, numpy as np, kerastower as kt
-    >>> inputs = keras.Input((3,))
-    >>> model = kt.TowerModel(inputs, keras.layers.Dense(1)(inputs))
-    >>> model.compile(optimizer="sgd", loss="mse")
-    >>> history = model.fit(np.ones((8, 3)), np.ones((8, 1)), batch_size=4, verbose=0)
+    Examples:
+        >>> import keras, numpy as np, kerastower as kt
+        >>> inputs = keras.Input((3,))
+        >>> model = kt.TowerModel(inputs, keras.layers.Dense(1)(inputs))
+        >>> model.compile(optimizer="sgd", loss="mse")
+        >>> history = model.fit(np.ones((8, 3)), np.ones((8, 1)), batch_size=4, verbose=0)
     """
 
     def __new__(cls, *args, **kwargs):

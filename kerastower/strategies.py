@@ -46,10 +46,11 @@ class TowerStrategy:
         name: the registry name this strategy was made from.
         tf_strategy: the `tf.distribute.Strategy` that places the towers.
 
-    >>> import kerastower as kt
-    >>> with kt.distributed("mirrored", devices=["/cpu:0", "/cpu:1"]) as strategy:
-    ...     print(strategy.num_towers)
-    2
+    Examples:
+        >>> import kerastower as kt
+        >>> with kt.distributed("mirrored", devices=["/cpu:0", "/cpu:1"]) as strategy:
+        ...     print(strategy.num_towers)
+        2
     """
 
     # Whether every tower runs in this process: then reading the towers'
@@ -272,13 +273,14 @@ def register_strategy(name, factory):
         factory: `factory(devices)` returning a `TowerStrategy`; `devices` is
             the list the user gave, or None.
 
-    >>> import tensorflow as tf, kerastower as kt
-    >>> def first_cpu(devices):
-    ...     return kt.TowerStrategy("first_cpu", tf.distribute.OneDeviceStrategy("/cpu:0"))
-    >>> kt.register_strategy("first_cpu", first_cpu)
-    >>> with kt.distributed("first_cpu") as strategy:
-    ...     print(strategy.num_towers)
-    1
+    Examples:
+        >>> import tensorflow as tf, kerastower as kt
+        >>> def first_cpu(devices):
+        ...     return kt.TowerStrategy("first_cpu", tf.distribute.OneDeviceStrategy("/cpu:0"))
+        >>> kt.register_strategy("first_cpu", first_cpu)
+        >>> with kt.distributed("first_cpu") as strategy:
+        ...     print(strategy.num_towers)
+        1
     """
     if not isinstance(name, str) or not name:
         raise StrategyError(f"A strategy name must be a non-empty str; got {name!r}.")
@@ -288,9 +290,10 @@ def register_strategy(name, factory):
 def strategy_names():
     """The names `kt.distributed` accepts, sorted.
 
-    >>> import kerastower as kt
-    >>> {"single", "mirrored", "horovod", "multiworker"} <= set(kt.strategy_names())
-    True
+    Examples:
+        >>> import kerastower as kt
+        >>> {"single", "mirrored", "horovod", "multiworker"} <= set(kt.strategy_names())
+        True
     """
     return sorted(_REGISTRY)
 
@@ -335,18 +338,17 @@ class distributed:
             a device this process lacks raises it when the strategy is made
             (entering the block), before anything runs on it.
 
-    Example:
-
-    >>> import keras, numpy as np, kerastower as kt
-    >>> @kt.distributed("mirrored", devices=["/cpu:0", "/cpu:1"])
-    ... def train():
-    ...     inputs = keras.Input((3,))
-    ...     model = kt.TowerModel(inputs, keras.layers.Dense(1)(inputs))
-    ...     model.compile(optimizer="sgd", loss="mse")
-    ...     model.fit(np.ones((32, 3)), np.ones((32, 1)), batch_size=8, verbose=0)
-    ...     return model.loop.global_step     # 8 per tower, 16 per step
-    >>> train()
-    2
+    Examples:
+        >>> import keras, numpy as np, kerastower as kt
+        >>> @kt.distributed("mirrored", devices=["/cpu:0", "/cpu:1"])
+        ... def train():
+        ...     inputs = keras.Input((3,))
+        ...     model = kt.TowerModel(inputs, keras.layers.Dense(1)(inputs))
+        ...     model.compile(optimizer="sgd", loss="mse")
+        ...     model.fit(np.ones((32, 3)), np.ones((32, 1)), batch_size=8, verbose=0)
+        ...     return model.loop.global_step     # 8 per tower, 16 per step
+        >>> train()
+        2
     """
 
     def __init__(self, name="mirrored", devices=None):

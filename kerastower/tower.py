@@ -54,12 +54,11 @@ class TowerContext:
         strategy: the `kt.TowerStrategy` running the tower (None when the
             context was made by hand).
 
-    Example:
-
-    >>> import kerastower as kt
-    >>> with kt.TowerContext(index=1, total=2, is_training=True) as ctx:
-    ...     kt.get_current_tower_context().name
-    'tower1'
+    Examples:
+        >>> import kerastower as kt
+        >>> with kt.TowerContext(index=1, total=2, is_training=True) as ctx:
+        ...     kt.get_current_tower_context().name
+        'tower1'
     """
 
     def __init__(self, index, total, is_training, name=None):
@@ -137,9 +136,10 @@ class TowerContext:
 def get_current_tower_context():
     """Returns the active `TowerContext`, or None outside any tower.
 
-    >>> import kerastower as kt
-    >>> kt.get_current_tower_context() is None
-    True
+    Examples:
+        >>> import kerastower as kt
+        >>> kt.get_current_tower_context() is None
+        True
     """
     stack = _stack()
     return stack[-1] if stack else None

@@ -23,8 +23,16 @@ def test_the_docs_site_builds_strictly_with_every_public_name(tmp_path):
     assert result.returncode == 0, result.stderr[-4000:]
     with open(tmp_path / "site" / "api" / "index.html") as f:
         api = f.read()
-    missing = [name for name in kt.__all__ if f'id="kerastower.{name}"' not in api]
+    public = (
+        [f"kerastower.{name}" for name in kt.__all__]
+        + [f"kerastower.callbacks.{name}" for name in kt.callbacks.__all__]
+        + [f"kerastower.checkpoint.{name}" for name in kt.checkpoint.__all__]
+    )
+    missing = [name for name in public if f'id="{name}"' not in api]
     assert not missing, f"public names without an API entry: {missing}"
+    # A `>>>` example outside an `Examples:` section renders as nested quotes.
+    assert "<blockquote>" not in api, "a docstring example is not under Examples:"
+    assert api.count('<span class="gp">&gt;&gt;&gt; </span>') > 300
 
 
 def test_a_broken_link_fails_the_build(tmp_path):

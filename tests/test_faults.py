@@ -475,6 +475,18 @@ def test_layers_created_in_another_order_are_restored_by_name(two_towers, tmp_pa
             np.testing.assert_array_equal(_slot(swapped, name, slot), _slot(saved, name, slot))
 
 
+def test_write_checkpoint_refuses_a_state_resume_could_not_read(two_towers, tmp_path):
+    """A state without the loop's position would be written, then skipped as
+    damaged by every reader: refused up front, naming what it lacks."""
+    model = _two_layers()
+    with pytest.raises(kt.errors.KerasTowerError, match=r"lacks \['epoch_num', 'local_step'\]"):
+        kt.checkpoint.write_checkpoint(str(tmp_path), model, {"global_step": 7})
+    assert kt.checkpoint.list_checkpoints(str(tmp_path)) == []
+    with pytest.raises(kt.errors.KerasTowerError, match="JSON"):
+        kt.checkpoint.write_checkpoint(str(tmp_path), model, dict(STATE, note=object()))
+    assert os.listdir(tmp_path) == []
+
+
 def test_missing_extra_and_reshaped_variables_are_listed_and_allow_partial(two_towers, tmp_path):
     saved = _two_layers(extra="gone")
     path = kt.checkpoint.write_checkpoint(str(tmp_path), saved, STATE)

@@ -2,14 +2,15 @@
 
 They mix freely with Keras callbacks in one `callbacks=[...]` list.
 
->>> import keras, numpy as np, kerastower as kt
->>> inputs = keras.Input((3,))
->>> model = kt.TowerModel(inputs, keras.layers.Dense(1)(inputs))
->>> model.compile(optimizer="sgd", loss="mse")
->>> history = model.fit(np.ones((16, 3)), np.ones((16, 1)), batch_size=4, epochs=2, verbose=0,
-...                     callbacks=[kt.callbacks.ThroughputTracker(), keras.callbacks.CSVLogger("/dev/null")])
->>> len(history.history["samples_per_sec"])
-2
+Examples:
+    >>> import keras, numpy as np, kerastower as kt
+    >>> inputs = keras.Input((3,))
+    >>> model = kt.TowerModel(inputs, keras.layers.Dense(1)(inputs))
+    >>> model.compile(optimizer="sgd", loss="mse")
+    >>> history = model.fit(np.ones((16, 3)), np.ones((16, 1)), batch_size=4, epochs=2, verbose=0,
+    ...                     callbacks=[kt.callbacks.ThroughputTracker(), keras.callbacks.CSVLogger("/dev/null")])
+    >>> len(history.history["samples_per_sec"])
+    2
 """
 
 from kerastower.callbacks.base import Callback

@@ -51,6 +51,19 @@ class Callback(keras.callbacks.Callback):
         chief_only: True (the default) runs the callback on the chief process
             only when training spans several processes (Horovod, multi-worker):
             the one that writes logs and checkpoints.
+
+    Examples:
+        >>> import keras, numpy as np, kerastower as kt
+        >>> inputs = keras.Input((3,))
+        >>> model = kt.TowerModel(inputs, keras.layers.Dense(1)(inputs))
+        >>> model.compile(optimizer="sgd", loss="mse")
+        >>> x, y = np.ones((16, 3)), np.ones((16, 1))
+        >>> class SayEpoch(kt.callbacks.Callback):
+        ...     def _trigger(self):
+        ...         print("epoch", self.epoch_num, "global step", self.global_step)
+        >>> _ = model.fit(x, y, batch_size=4, epochs=2, verbose=0, callbacks=[SayEpoch()])
+        epoch 1 global step 4
+        epoch 2 global step 8
     """
 
     chief_only = True

@@ -44,6 +44,23 @@ class Inferencer:
     dict of scalar sums for one tower's batch, and `_results(sums)`, turning
     the sums over the whole source into the named results. `ScalarStats`
     instead asks the model's compiled metrics.
+
+    Examples:
+        >>> import keras, numpy as np, kerastower as kt
+        >>> inputs = keras.Input((3,))
+        >>> model = kt.TowerModel(inputs, keras.layers.Dense(1)(inputs))
+        >>> model.compile(optimizer="sgd", loss="mse")
+        >>> x, y = np.ones((16, 3)), np.ones((16, 1))
+        >>> import tensorflow as tf
+        >>> class MeanPrediction(kt.callbacks.Inferencer):
+        ...     def _batch_sums(self, y, y_pred, sample_weight):
+        ...         return {"total": tf.reduce_sum(y_pred), "count": tf.cast(tf.size(y_pred), tf.float32)}
+        ...     def _results(self, sums):
+        ...         return {"val_mean_prediction": float(sums["total"] / sums["count"])}
+        >>> runner = kt.callbacks.InferenceRunner((x, y), [MeanPrediction()])
+        >>> history = model.fit(x, y, batch_size=4, verbose=0, callbacks=[runner])
+        >>> bool(np.isclose(history.history["val_mean_prediction"][0], model.predict(x, verbose=0).mean()))
+        True
     """
 
     def _batch_sums(self, y, y_pred, sample_weight):
@@ -60,6 +77,18 @@ class ScalarStats(Inferencer):
     Args:
         names: metric names as in the training logs ("loss", "accuracy").
         prefix: what the results start with.
+
+    Examples:
+        >>> import keras, numpy as np, kerastower as kt
+        >>> inputs = keras.Input((3,))
+        >>> model = kt.TowerModel(inputs, keras.layers.Dense(1)(inputs))
+        >>> model.compile(optimizer="sgd", loss="mse", metrics=["mae"])
+        >>> x, y = np.ones((16, 3)), np.ones((16, 1))
+        >>> stats = kt.callbacks.ScalarStats(["loss", "mae"], prefix="test")
+        >>> history = model.fit(x, y, batch_size=4, verbose=0,
+        ...                     callbacks=[kt.callbacks.InferenceRunner((x, y), [stats])])
+        >>> sorted(history.history)
+        ['loss', 'mae', 'test_loss', 'test_mae']
     """
 
     def __init__(self, names=("loss",), prefix="val"):
@@ -72,6 +101,17 @@ class ClassificationError(Inferencer):
 
     Labels may be class indices or one-hot; `sample_weight` weights the
     examples when the source gives one.
+
+    Examples:
+        >>> import keras, numpy as np, kerastower as kt
+        >>> inputs = keras.Input((2,))
+        >>> model = kt.TowerModel(inputs, keras.layers.Dense(2, activation="softmax")(inputs))
+        >>> model.compile(optimizer=keras.optimizers.SGD(0.0), loss="sparse_categorical_crossentropy")
+        >>> model.layers[-1].set_weights([np.eye(2), np.zeros(2)])   # predicts the larger input
+        >>> x, y = np.array([[1.0, 0.0], [0.0, 1.0]] * 4), np.array([0, 1, 1, 1] * 2)
+        >>> runner = kt.callbacks.InferenceRunner((x, y), [kt.callbacks.ClassificationError()])
+        >>> model.fit(x, y, batch_size=4, verbose=0, callbacks=[runner]).history["val_error"]
+        [0.25]
     """
 
     def __init__(self, summary_name="val_error"):
@@ -135,6 +175,19 @@ class InferenceRunner(Callback):
         inferencers: a list of `ScalarStats`, `ClassificationError`, or other
             `Inferencer`s.
         batch_size: per-tower batch for arrays (default 32).
+
+    Examples:
+        >>> import keras, numpy as np, kerastower as kt
+        >>> inputs = keras.Input((3,))
+        >>> model = kt.TowerModel(inputs, keras.layers.Dense(1)(inputs))
+        >>> model.compile(optimizer="sgd", loss="mse")
+        >>> x, y = np.ones((16, 3)), np.ones((16, 1))
+        >>> runner = kt.callbacks.InferenceRunner((x, y), [kt.callbacks.ScalarStats(["loss"])], batch_size=4)
+        >>> history = model.fit(x, y, batch_size=4, verbose=0, callbacks=[runner])
+        >>> sorted(history.history)
+        ['loss', 'val_loss']
+        >>> bool(np.isclose(history.history["val_loss"][0], model.evaluate(x, y, verbose=0)))
+        True
     """
 
     # Evaluation is collective: a process without the runner would leave

@@ -52,7 +52,18 @@ class ProgressBar(keras.callbacks.ProgbarLogger):
     """Keras's progress bar, showing samples/s summed over all towers, and
     at each epoch's end the learning rate. fit puts it after every other
     callback, as Keras does its own, so the epoch line has what they added
-    to the logs (InferenceRunner's val_*, samples_per_sec)."""
+    to the logs (InferenceRunner's val_*, samples_per_sec).
+
+    Examples:
+        >>> import keras, numpy as np, kerastower as kt
+        >>> inputs = keras.Input((3,))
+        >>> model = kt.TowerModel(inputs, keras.layers.Dense(1)(inputs))
+        >>> model.compile(optimizer="sgd", loss="mse")
+        >>> x, y = np.ones((16, 3)), np.ones((16, 1))
+        >>> _ = model.fit(x, y, batch_size=4, verbose=2)   # verbose=1 or 2 put one last in the list
+        kerastower: 1 tower(s) x 4 examples = total batch 4 per step
+        4/4 - ... - loss: ... - learning_rate: 0.0100
+    """
 
     chief_only = True
 
@@ -89,7 +100,18 @@ def _learning_rate(model):
 class ThroughputTracker(Callback):
     """Adds `samples_per_sec` (examples of all towers per second) and
     `steps_per_sec` to the logs when triggered (by default, at every epoch
-    end), measured since the epoch began or the last trigger, the later."""
+    end), measured since the epoch began or the last trigger, the later.
+
+    Examples:
+        >>> import keras, numpy as np, kerastower as kt
+        >>> inputs = keras.Input((3,))
+        >>> model = kt.TowerModel(inputs, keras.layers.Dense(1)(inputs))
+        >>> model.compile(optimizer="sgd", loss="mse")
+        >>> x, y = np.ones((16, 3)), np.ones((16, 1))
+        >>> history = model.fit(x, y, batch_size=4, verbose=0, callbacks=[kt.callbacks.ThroughputTracker()])
+        >>> sorted(history.history)
+        ['loss', 'samples_per_sec', 'steps_per_sec']
+    """
 
     def _start_measuring(self):
         self._start = (time.perf_counter(), self.model.loop.examples_seen, self.global_step)
@@ -111,7 +133,19 @@ class ThroughputTracker(Callback):
 
 class EstimatedTimeLeft(Callback):
     """Prints the estimated time left when triggered (by default, after each
-    epoch): the median epoch time so far times the epochs still to run."""
+    epoch): the median epoch time so far times the epochs still to run.
+
+    Examples:
+        >>> import keras, numpy as np, kerastower as kt
+        >>> inputs = keras.Input((3,))
+        >>> model = kt.TowerModel(inputs, keras.layers.Dense(1)(inputs))
+        >>> model.compile(optimizer="sgd", loss="mse")
+        >>> x, y = np.ones((16, 3)), np.ones((16, 1))
+        >>> _ = model.fit(x, y, batch_size=4, epochs=3, verbose=0,
+        ...               callbacks=[kt.callbacks.EstimatedTimeLeft()])
+        EstimatedTimeLeft: 0h 00m 0...s for 2 more epoch(s)
+        EstimatedTimeLeft: 0h 00m 0...s for 1 more epoch(s)
+    """
 
     def __init__(self):
         super().__init__()
@@ -140,6 +174,16 @@ class ScalarPrinter(Callback):
 
     Args:
         whitelist: names to print (default: all).
+
+    Examples:
+        >>> import keras, numpy as np, kerastower as kt
+        >>> inputs = keras.Input((3,))
+        >>> model = kt.TowerModel(inputs, keras.layers.Dense(1)(inputs))
+        >>> model.compile(optimizer="sgd", loss="mse")
+        >>> x, y = np.ones((16, 3)), np.ones((16, 1))
+        >>> _ = model.fit(x, y, batch_size=4, epochs=2, verbose=0, callbacks=[kt.callbacks.ScalarPrinter()])
+        [epoch 1, step 4] loss: ...
+        [epoch 2, step 8] loss: ...
     """
 
     def __init__(self, whitelist=None):
@@ -159,6 +203,18 @@ class JSONWriter(Callback):
     The file is rewritten through a temporary file and an atomic rename, so
     it is always valid JSON. A resumed run keeps the records up to the step
     it resumed from and appends after them.
+
+    Examples:
+        >>> import keras, numpy as np, kerastower as kt
+        >>> inputs = keras.Input((3,))
+        >>> model = kt.TowerModel(inputs, keras.layers.Dense(1)(inputs))
+        >>> model.compile(optimizer="sgd", loss="mse")
+        >>> x, y = np.ones((16, 3)), np.ones((16, 1))
+        >>> import json
+        >>> _ = model.fit(x, y, batch_size=4, epochs=2, verbose=0, callbacks=[kt.callbacks.JSONWriter("logs")])
+        >>> with open("logs/stats.json") as f:
+        ...     [(record["epoch_num"], record["global_step"]) for record in json.load(f)]
+        [(1, 4), (2, 8)]
     """
 
     FILENAME = "stats.json"
@@ -228,6 +284,18 @@ class TensorBoard(keras.callbacks.TensorBoard):
     calls that reach a multiple of n steps. When it cannot write `log_dir`,
     it warns once and writes nothing more in that run (see the module
     docstring).
+
+    Examples:
+        >>> import keras, numpy as np, kerastower as kt
+        >>> inputs = keras.Input((3,))
+        >>> model = kt.TowerModel(inputs, keras.layers.Dense(1)(inputs))
+        >>> model.compile(optimizer="sgd", loss="mse")
+        >>> x, y = np.ones((16, 3)), np.ones((16, 1))
+        >>> import os
+        >>> _ = model.fit(x, y, batch_size=4, epochs=2, verbose=0,
+        ...               callbacks=[kt.callbacks.TensorBoard("tensorboard")])
+        >>> os.listdir("tensorboard")     # read it with `tensorboard --logdir tensorboard`
+        ['train']
     """
 
     chief_only = True
@@ -287,7 +355,18 @@ class PeakMemoryTracker(Callback):
     """Adds `peak_memory_mb` (the largest over the towers' devices) to the
     logs when triggered (by default, at every epoch end), the peak since the
     epoch began or the last trigger, on devices that report memory (GPUs);
-    elsewhere it adds nothing."""
+    elsewhere it adds nothing.
+
+    Examples:
+        >>> import keras, numpy as np, kerastower as kt
+        >>> inputs = keras.Input((3,))
+        >>> model = kt.TowerModel(inputs, keras.layers.Dense(1)(inputs))
+        >>> model.compile(optimizer="sgd", loss="mse")
+        >>> x, y = np.ones((16, 3)), np.ones((16, 1))
+        >>> history = model.fit(x, y, batch_size=4, verbose=0, callbacks=[kt.callbacks.PeakMemoryTracker()])
+        >>> "peak_memory_mb" in history.history       # CPUs report no memory
+        False
+    """
 
     def _devices(self):
         return [d.name for d in tf.config.list_logical_devices("GPU")]

@@ -87,6 +87,20 @@ class HyperParamSetter(Callback):
     to leave it. By default it is set at the beginning of every epoch (when
     `self.epoch_num` is already the epoch about to run). Like every variable
     update outside the step, it applies to all towers at once.
+
+    Examples:
+        >>> import keras, numpy as np, kerastower as kt
+        >>> inputs = keras.Input((3,))
+        >>> model = kt.TowerModel(inputs, keras.layers.Dense(1)(inputs))
+        >>> model.compile(optimizer=keras.optimizers.SGD(0.1), loss="mse")
+        >>> x, y = np.ones((16, 3)), np.ones((16, 1))
+        >>> class HalveEveryEpoch(kt.callbacks.HyperParamSetter):
+        ...     def _value_to_set(self):
+        ...         return 0.1 / 2 ** (self.epoch_num - 1)
+        >>> _ = model.fit(x, y, batch_size=4, epochs=3, verbose=0,
+        ...               callbacks=[HalveEveryEpoch("learning_rate")])
+        >>> round(float(model.optimizer.learning_rate), 6)    # set before epoch 3
+        0.025
     """
 
     def __init__(self, param):
@@ -142,6 +156,21 @@ class ScheduledHyperParamSetter(HyperParamSetter):
             after the last point. Before the first point the param is left
             as it is.
         step_based: read the schedule in steps instead of epochs.
+
+    Examples:
+        >>> import keras, numpy as np, kerastower as kt
+        >>> inputs = keras.Input((3,))
+        >>> model = kt.TowerModel(inputs, keras.layers.Dense(1)(inputs))
+        >>> model.compile(optimizer="sgd", loss="mse")
+        >>> x, y = np.ones((16, 3)), np.ones((16, 1))
+        >>> schedule = kt.callbacks.ScheduledHyperParamSetter("learning_rate", [(1, 0.1), (3, 0.01)])
+        >>> class PrintRate(kt.callbacks.Callback):
+        ...     def _before_epoch(self):
+        ...         print(self.epoch_num, round(float(self.model.optimizer.learning_rate), 6))
+        >>> _ = model.fit(x, y, batch_size=4, epochs=3, verbose=0, callbacks=[schedule, PrintRate()])
+        1 0.1
+        2 0.1
+        3 0.01
     """
 
     def __init__(self, param, schedule, interp=None, step_based=False):
@@ -185,6 +214,17 @@ class HyperParamSetterWithFunc(HyperParamSetter):
     """Sets `param` to `func(epoch_num, current_value)` before every epoch.
 
     `epoch_num` is the 1-based number of the epoch about to begin.
+
+    Examples:
+        >>> import keras, numpy as np, kerastower as kt
+        >>> inputs = keras.Input((3,))
+        >>> model = kt.TowerModel(inputs, keras.layers.Dense(1)(inputs))
+        >>> model.compile(optimizer=keras.optimizers.SGD(0.1), loss="mse")
+        >>> x, y = np.ones((16, 3)), np.ones((16, 1))
+        >>> decay = kt.callbacks.HyperParamSetterWithFunc("learning_rate", lambda epoch, lr: lr * 0.5)
+        >>> _ = model.fit(x, y, batch_size=4, epochs=3, verbose=0, callbacks=[decay])
+        >>> round(float(model.optimizer.learning_rate), 6)    # halved before each of the 3 epochs
+        0.0125
     """
 
     def __init__(self, param, func):
@@ -206,6 +246,19 @@ class StatMonitorParamSetter(HyperParamSetter):
     before the last `last_k` readings, set `param = value_func(param)` and
     wait `last_k` epochs before the next change. With `reverse=True` the
     stat should become higher instead (e.g. accuracy).
+
+    Examples:
+        >>> import keras, numpy as np, kerastower as kt
+        >>> inputs = keras.Input((3,))
+        >>> model = kt.TowerModel(inputs, keras.layers.Dense(1)(inputs))
+        >>> model.compile(optimizer=keras.optimizers.SGD(1e-6), loss="mse")
+        >>> x, y = np.ones((16, 3)), np.ones((16, 1))
+        >>> # The loss never falls by 1.0 within 2 epochs: the rate halves, then waits 2 epochs.
+        >>> halve = kt.callbacks.StatMonitorParamSetter(
+        ...     "learning_rate", "loss", lambda lr: lr / 2, threshold=1.0, last_k=2)
+        >>> _ = model.fit(x, y, batch_size=4, epochs=6, verbose=0, callbacks=[halve])
+        >>> round(float(model.optimizer.learning_rate) / 1e-6, 6)     # halved twice
+        0.25
     """
 
     def __init__(self, param, stat, value_func, threshold, last_k, reverse=False):

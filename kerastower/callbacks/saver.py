@@ -57,6 +57,18 @@ class ModelSaver(Callback):
     Attributes:
         clock: the function giving the time for `keep_checkpoint_every_n_hours`
             (`time.time`; a test may replace it).
+
+    Examples:
+        >>> import keras, numpy as np, kerastower as kt
+        >>> inputs = keras.Input((3,))
+        >>> model = kt.TowerModel(inputs, keras.layers.Dense(1)(inputs))
+        >>> model.compile(optimizer="sgd", loss="mse")
+        >>> x, y = np.ones((16, 3)), np.ones((16, 1))
+        >>> import os
+        >>> _ = model.fit(x, y, batch_size=4, epochs=3, verbose=0,
+        ...               callbacks=[kt.callbacks.ModelSaver("ckpt", max_to_keep=2)])
+        >>> sorted(os.listdir("ckpt"))        # epochs 2 and 3 end at global steps 8 and 12
+        ['ckpt-00000008', 'ckpt-00000012']
     """
 
     def __init__(self, checkpoint_dir, max_to_keep=10, keep_checkpoint_every_n_hours=None):
@@ -196,13 +208,16 @@ class MinSaver(_BestSaver):
     "val_loss") as `<filename>.keras` in `checkpoint_dir`, by default the
     run's log folder (`fit(..., logdir=...)`).
 
-    Example:
-
-    ```python
-    model.fit(x, y, epochs=5, validation_data=(vx, vy), logdir="runs/1",
-              callbacks=[kt.callbacks.MinSaver("val_loss")])
-    # the best epoch's model: runs/1/min-val_loss.keras
-    ```
+    Examples:
+        >>> import os, keras, numpy as np, kerastower as kt
+        >>> inputs = keras.Input((3,))
+        >>> model = kt.TowerModel(inputs, keras.layers.Dense(1)(inputs))
+        >>> model.compile(optimizer="sgd", loss="mse")
+        >>> x, y = np.ones((16, 3)), np.ones((16, 1))
+        >>> _ = model.fit(x, y, batch_size=4, epochs=2, verbose=0, validation_data=(x, y),
+        ...               callbacks=[kt.callbacks.MinSaver("val_loss", checkpoint_dir="best")])
+        >>> os.listdir("best")
+        ['min-val_loss.keras']
     """
 
     def __init__(self, stat, filename=None, checkpoint_dir=None):
@@ -212,7 +227,19 @@ class MinSaver(_BestSaver):
 class MaxSaver(_BestSaver):
     """Keeps the model with the highest `stat` (e.g. "val_accuracy") as
     `<filename>.keras` in `checkpoint_dir`, by default the run's log folder
-    (`fit(..., logdir=...)`): `runs/1/max-val_accuracy.keras`."""
+    (`fit(..., logdir=...)`): `runs/1/max-val_accuracy.keras`.
+
+    Examples:
+        >>> import os, keras, numpy as np, kerastower as kt
+        >>> inputs = keras.Input((2,))
+        >>> model = kt.TowerModel(inputs, keras.layers.Dense(2, activation="softmax")(inputs))
+        >>> model.compile(optimizer="sgd", loss="sparse_categorical_crossentropy", metrics=["accuracy"])
+        >>> x, y = np.array([[1.0, 0.0], [0.0, 1.0]] * 4), np.array([0, 1] * 4)
+        >>> _ = model.fit(x, y, batch_size=4, epochs=2, verbose=0, validation_data=(x, y),
+        ...               logdir="runs/1", callbacks=[kt.callbacks.MaxSaver("val_accuracy")])
+        >>> sorted(os.listdir("runs/1"))      # with TensorBoard's and JSONWriter's files
+        ['max-val_accuracy.keras', 'stats.json', 'train', 'validation']
+    """
 
     def __init__(self, stat, filename=None, checkpoint_dir=None):
         super().__init__(stat, filename, checkpoint_dir, better=lambda new, best: new > best)
@@ -243,6 +270,20 @@ class AutoResume(Callback):
     taken, which replays the pipeline's work for them; when an epoch is one
     pass over finite data (no steps_per_epoch), by skipping those taken in
     the interrupted pass, whose order is replayed (docs/epochs.md).
+
+    Examples:
+        >>> import keras, numpy as np, kerastower as kt
+        >>> def train(epochs):
+        ...     inputs = keras.Input((3,))
+        ...     model = kt.TowerModel(inputs, keras.layers.Dense(1)(inputs))
+        ...     model.compile(optimizer="sgd", loss="mse")
+        ...     model.fit(np.ones((16, 3)), np.ones((16, 1)), batch_size=4, epochs=epochs, verbose=0,
+        ...               callbacks=[kt.callbacks.AutoResume("ckpt"), kt.callbacks.ModelSaver("ckpt")])
+        ...     return model
+        >>> _ = train(epochs=1)          # stopped after epoch 1 (4 steps)
+        >>> model = train(epochs=3)      # a new process would do the same: epochs 2 and 3 only
+        >>> model.loop.global_step, int(model.optimizer.iterations)
+        (12, 12)
     """
 
     def __init__(self, checkpoint_dir, allow_partial=False):

@@ -72,6 +72,20 @@ class ProxyCallback(Callback):
     Subclasses choose when: `_active()` gates every hook but set-up and
     tear-down (`before_train`, `after_train`), and they may override the
     template methods, calling `super()` to forward.
+
+    Examples:
+        >>> import keras, numpy as np, kerastower as kt
+        >>> inputs = keras.Input((3,))
+        >>> model = kt.TowerModel(inputs, keras.layers.Dense(1)(inputs))
+        >>> model.compile(optimizer="sgd", loss="mse")
+        >>> x, y = np.ones((16, 3)), np.ones((16, 1))
+        >>> class OddEpochsOnly(kt.callbacks.ProxyCallback):
+        ...     def _active(self):
+        ...         return self.epoch_num % 2 == 1
+        >>> printer = OddEpochsOnly(kt.callbacks.ScalarPrinter(["loss"]))
+        >>> _ = model.fit(x, y, batch_size=4, epochs=3, verbose=0, callbacks=[printer])
+        [epoch 1, step 4] loss: ...
+        [epoch 3, step 12] loss: ...
     """
 
     def __init__(self, callback):
@@ -200,6 +214,18 @@ class PeriodicTrigger(ProxyCallback):
         every_k_steps: trigger after global steps divisible by k (an int,
             numpy ints too).
         every_k_epochs: trigger at the end of epochs divisible by k.
+
+    Examples:
+        >>> import keras, numpy as np, kerastower as kt
+        >>> inputs = keras.Input((3,))
+        >>> model = kt.TowerModel(inputs, keras.layers.Dense(1)(inputs))
+        >>> model.compile(optimizer="sgd", loss="mse")
+        >>> x, y = np.ones((16, 3)), np.ones((16, 1))
+        >>> import os
+        >>> every_2_steps = kt.callbacks.PeriodicTrigger(kt.callbacks.ModelSaver("ckpt"), every_k_steps=2)
+        >>> _ = model.fit(x, y, batch_size=4, epochs=1, verbose=0, callbacks=[every_2_steps])
+        >>> sorted(os.listdir("ckpt"))
+        ['ckpt-00000002', 'ckpt-00000004']
     """
 
     def __init__(self, callback, every_k_steps=None, every_k_epochs=None):
@@ -257,6 +283,18 @@ class EnableCallbackIf(ProxyCallback):
         callback: a `kt.callbacks.Callback` or a `keras.callbacks.Callback`
             (whose trigger is its `on_epoch_end`).
         pred: `pred(callback)` -> bool.
+
+    Examples:
+        >>> import keras, numpy as np, kerastower as kt
+        >>> inputs = keras.Input((3,))
+        >>> model = kt.TowerModel(inputs, keras.layers.Dense(1)(inputs))
+        >>> model.compile(optimizer="sgd", loss="mse")
+        >>> x, y = np.ones((16, 3)), np.ones((16, 1))
+        >>> printer = kt.callbacks.ScalarPrinter(["loss"])
+        >>> from_epoch_2 = kt.callbacks.EnableCallbackIf(printer, lambda callback: callback.epoch_num >= 2)
+        >>> _ = model.fit(x, y, batch_size=4, epochs=3, verbose=0, callbacks=[from_epoch_2])
+        [epoch 2, step 8] loss: ...
+        [epoch 3, step 12] loss: ...
     """
 
     def __init__(self, callback, pred):

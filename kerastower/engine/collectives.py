@@ -5,16 +5,17 @@ each other notes itself here while a step function is traced, once per step
 (on tower 0's trace, or in cross-replica code). `collectives_per_step(model)`
 then says what one training step and one read of the logs launch:
 
->>> import keras, numpy as np, kerastower as kt
->>> inputs = keras.Input((3,))
->>> model = kt.TowerModel(inputs, keras.layers.Dense(1)(inputs))
->>> model.compile(optimizer="sgd", loss="mse")
->>> _ = model.fit(np.ones((8, 3)), np.ones((8, 1)), batch_size=4, verbose=0)
->>> kt.collectives_per_step(model)["step"]
-[]
+Examples:
+    >>> import keras, numpy as np, kerastower as kt
+    >>> inputs = keras.Input((3,))
+    >>> model = kt.TowerModel(inputs, keras.layers.Dense(1)(inputs))
+    >>> model.compile(optimizer="sgd", loss="mse")
+    >>> _ = model.fit(np.ones((8, 3)), np.ones((8, 1)), batch_size=4, verbose=0)
+    >>> kt.collectives_per_step(model)["step"]
+    []
 
-One tower launches nothing; docs/performance.md lists what N towers launch
-under each strategy.
+    One tower launches nothing; docs/performance.md lists what N towers launch
+    under each strategy.
 """
 
 import contextlib
@@ -95,14 +96,15 @@ def collectives_per_step(model, mode="train"):
         model: a `kt.TowerModel` that has run `fit`, `evaluate` or `predict`.
         mode: "train", "test" or "predict".
 
-    >>> import keras, numpy as np, kerastower as kt
-    >>> with kt.distributed("single"):
-    ...     inputs = keras.Input((3,))
-    ...     model = kt.TowerModel(inputs, keras.layers.Dense(1)(inputs))
-    ...     model.compile(optimizer="sgd", loss="mse")
-    ...     _ = model.fit(np.ones((8, 3)), np.ones((8, 1)), batch_size=4, verbose=0)
-    >>> kt.collectives_per_step(model)     # one device: nothing to synchronise
-    {'step': [], 'logs': []}
+    Examples:
+        >>> import keras, numpy as np, kerastower as kt
+        >>> with kt.distributed("single"):
+        ...     inputs = keras.Input((3,))
+        ...     model = kt.TowerModel(inputs, keras.layers.Dense(1)(inputs))
+        ...     model.compile(optimizer="sgd", loss="mse")
+        ...     _ = model.fit(np.ones((8, 3)), np.ones((8, 1)), batch_size=4, verbose=0)
+        >>> kt.collectives_per_step(model)     # one device: nothing to synchronise
+        {'step': [], 'logs': []}
     """
     recorded = model._step_cache.collectives
     launches = recorded.get(mode, {"step": [], "logs": []})

@@ -97,16 +97,17 @@ class Trainer:
     Attributes:
         loop: the `kt.LoopState`, whose `global_step` counts iterations.
 
-    >>> import kerastower as kt
-    >>> class Counter(kt.Trainer):
-    ...     def _setup(self):
-    ...         self.count = self.add_variable("count")   # checkpointed, resumed
-    ...     def run_step(self):
-    ...         self.count.assign_add(1.0)
-    >>> counter = Counter()
-    >>> _ = counter.train(steps_per_epoch=3, max_epoch=2, verbose=0)
-    >>> float(counter.count.numpy()), counter.global_step
-    (6.0, 6)
+    Examples:
+        >>> import kerastower as kt
+        >>> class Counter(kt.Trainer):
+        ...     def _setup(self):
+        ...         self.count = self.add_variable("count")   # checkpointed, resumed
+        ...     def run_step(self):
+        ...         self.count.assign_add(1.0)
+        >>> counter = Counter()
+        >>> _ = counter.train(steps_per_epoch=3, max_epoch=2, verbose=0)
+        >>> float(counter.count.numpy()), counter.global_step
+        (6.0, 6)
     """
 
     def __init__(self, model=None, input=None, train_op=None):

@@ -45,17 +45,16 @@ class GANModel(TowerModel):
         latent_dim: the noise size; default: the generator's input size.
         seed: seeds the noise (each tower draws its own).
 
-    Example:
-
-    >>> import keras, numpy as np, tensorflow as tf, kerastower as kt
-    >>> generator = keras.Sequential([keras.Input((4,)), keras.layers.Dense(2)])
-    >>> discriminator = keras.Sequential([keras.Input((2,)), keras.layers.Dense(1)])
-    >>> gan = kt.GANModel(generator, discriminator)
-    >>> gan.compile(g_optimizer="adam", d_optimizer="adam")
-    >>> images = tf.data.Dataset.from_tensor_slices(np.ones((64, 2), "float32")).batch(8).repeat()
-    >>> _ = kt.GANTrainer(gan, kt.DatasetInput(images)).train(steps_per_epoch=2, max_epoch=2, verbose=0)
-    >>> tuple(gan.generate(16).shape)
-    (16, 2)
+    Examples:
+        >>> import keras, numpy as np, tensorflow as tf, kerastower as kt
+        >>> generator = keras.Sequential([keras.Input((4,)), keras.layers.Dense(2)])
+        >>> discriminator = keras.Sequential([keras.Input((2,)), keras.layers.Dense(1)])
+        >>> gan = kt.GANModel(generator, discriminator)
+        >>> gan.compile(g_optimizer="adam", d_optimizer="adam")
+        >>> images = tf.data.Dataset.from_tensor_slices(np.ones((64, 2), "float32")).batch(8).repeat()
+        >>> _ = kt.GANTrainer(gan, kt.DatasetInput(images)).train(steps_per_epoch=2, max_epoch=2, verbose=0)
+        >>> tuple(gan.generate(16).shape)
+        (16, 2)
     """
 
     def __init__(self, generator, discriminator, latent_dim=None, seed=None, **kwargs):
@@ -171,14 +170,15 @@ class GANTrainer(Trainer):
         input: real samples, batched per tower and endless: a
             `kt.InputSource` or `tf.data.Dataset`.
 
-    >>> import keras, numpy as np, tensorflow as tf, kerastower as kt
-    >>> gan = kt.GANModel(keras.Sequential([keras.Input((4,)), keras.layers.Dense(2)]),
-    ...                   keras.Sequential([keras.Input((2,)), keras.layers.Dense(1)]))
-    >>> gan.compile(g_optimizer=keras.optimizers.Adam(1e-3), d_optimizer=keras.optimizers.Adam(1e-3))
-    >>> real = tf.data.Dataset.from_tensor_slices(np.ones((64, 2), "float32")).batch(8).repeat()
-    >>> history = kt.GANTrainer(gan, real).train(steps_per_epoch=4, verbose=0)
-    >>> sorted(history.history)
-    ['d_loss', 'g_loss']
+    Examples:
+        >>> import keras, numpy as np, tensorflow as tf, kerastower as kt
+        >>> gan = kt.GANModel(keras.Sequential([keras.Input((4,)), keras.layers.Dense(2)]),
+        ...                   keras.Sequential([keras.Input((2,)), keras.layers.Dense(1)]))
+        >>> gan.compile(g_optimizer=keras.optimizers.Adam(1e-3), d_optimizer=keras.optimizers.Adam(1e-3))
+        >>> real = tf.data.Dataset.from_tensor_slices(np.ones((64, 2), "float32")).batch(8).repeat()
+        >>> history = kt.GANTrainer(gan, real).train(steps_per_epoch=4, verbose=0)
+        >>> sorted(history.history)
+        ['d_loss', 'g_loss']
     """
 
     def __init__(self, model, input):
@@ -217,14 +217,15 @@ class SeparateGANTrainer(GANTrainer):
         d_period: iterations between discriminator steps.
         g_period: iterations between generator steps.
 
-    >>> import keras, numpy as np, tensorflow as tf, kerastower as kt
-    >>> gan = kt.GANModel(keras.Sequential([keras.Input((4,)), keras.layers.Dense(2)]),
-    ...                   keras.Sequential([keras.Input((2,)), keras.layers.Dense(1)]))
-    >>> gan.compile(g_optimizer=keras.optimizers.Adam(1e-3), d_optimizer=keras.optimizers.Adam(1e-3))
-    >>> real = tf.data.Dataset.from_tensor_slices(np.ones((64, 2), "float32")).batch(8).repeat()
-    >>> history = kt.SeparateGANTrainer(gan, real, d_period=1, g_period=2).train(steps_per_epoch=4, verbose=0)
-    >>> sorted(history.history)
-    ['d_loss', 'g_loss']
+    Examples:
+        >>> import keras, numpy as np, tensorflow as tf, kerastower as kt
+        >>> gan = kt.GANModel(keras.Sequential([keras.Input((4,)), keras.layers.Dense(2)]),
+        ...                   keras.Sequential([keras.Input((2,)), keras.layers.Dense(1)]))
+        >>> gan.compile(g_optimizer=keras.optimizers.Adam(1e-3), d_optimizer=keras.optimizers.Adam(1e-3))
+        >>> real = tf.data.Dataset.from_tensor_slices(np.ones((64, 2), "float32")).batch(8).repeat()
+        >>> history = kt.SeparateGANTrainer(gan, real, d_period=1, g_period=2).train(steps_per_epoch=4, verbose=0)
+        >>> sorted(history.history)
+        ['d_loss', 'g_loss']
     """
 
     def __init__(self, model, input, d_period=1, g_period=1):
