@@ -49,12 +49,14 @@ INPUT_SHAPES = {
 }
 
 
-def compile_model(model, jit_compile=False, steps_per_execution=1):
+def compile_model(model, jit_compile=False, steps_per_execution=1, **tower_options):
+    """`tower_options` (check_finite) go to a TowerModel's compile only."""
     model.compile(
         optimizer=keras.optimizers.SGD(0.01, momentum=0.9),
         loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
         jit_compile=jit_compile,
         steps_per_execution=steps_per_execution,
+        **tower_options,
     )
     return model
 

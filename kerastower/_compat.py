@@ -53,6 +53,25 @@ def _method(obj, name):
     return method
 
 
+# -- a concrete function called with its arguments bound once ------------------
+
+def bound_call(concrete, args):
+    """`concrete(*args)` as a function of no arguments. The arguments are
+    matched to the trace and flattened here, once; each call then only runs
+    the function on the same flat tensors (an iterator's are its resource
+    handles, fixed for its life)."""
+    canonicalize = require(
+        "tensorflow.python.eager.polymorphic_function.function_type_utils",
+        "canonicalize_function_inputs",
+    )
+    function_type = getattr(concrete, "function_type", None)
+    if not hasattr(function_type, "unpack_inputs"):
+        raise _missing("ConcreteFunction.function_type.unpack_inputs")
+    call_flat = _method(concrete, "_call_flat")
+    flat = function_type.unpack_inputs(canonicalize(args, {}, function_type))
+    return lambda: call_flat(flat, concrete.captured_inputs)
+
+
 # -- keras.src functions ------------------------------------------------------
 
 def unpack_x_y_sample_weight(data):

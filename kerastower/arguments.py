@@ -26,6 +26,7 @@ __all__ = [
     "validation_source",
     "inference_callbacks",
     "compile_kwargs",
+    "boolean",
 ]
 
 
@@ -51,6 +52,15 @@ def integer(value, name, owner, minimum=None, none_ok=False):
     if minimum is not None and value < minimum:
         raise ArgumentError(f"{owner}: {name} must be {wanted}; got {value!r}.")
     return int(value)
+
+
+def boolean(value, name, owner):
+    """`value` as a Python bool (numpy bools too), or an ArgumentError."""
+    if not isinstance(value, (bool, np.bool_)):
+        raise ArgumentError(
+            f"{owner}: {name} must be True or False; got {value!r} ({type(value).__name__})."
+        )
+    return bool(value)
 
 
 def verbosity(value, owner):

@@ -138,15 +138,18 @@ class TowerModel(keras.Model):
     def num_towers(self):
         return self._tower_strategy.num_towers
 
-    def compile(self, *args, jit_compile="auto", **kwargs):
+    def compile(self, *args, jit_compile="auto", check_finite=True, **kwargs):
         """As `keras.Model.compile`; `jit_compile` compiles each tower's work
         with XLA (kerastower/engine/xla.py): on N towers `train_step`'s forward
         and backward and the whole `test_step` and `predict_step`, on one the
-        whole step; "auto" uses XLA when there is an accelerator."""
+        whole step; "auto" uses XLA when there is an accelerator.
+        `check_finite=False` drops the NaN/Inf check of every step's gradients
+        (docs/reliability.md), which reads them once more."""
         kwargs = arguments.compile_kwargs(kwargs)
         # Keras's step functions (they would jit the cross-tower work) are unused.
         super().compile(*args, jit_compile=False, **kwargs)
         self.tower_jit_compile = xla.resolve(self, jit_compile)
+        self.tower_check_finite = arguments.boolean(check_finite, "check_finite", "compile")
         self._step_cache.read_logs = None  # it read the metrics compile replaced
 
     def compile_from_config(self, config):

@@ -82,6 +82,7 @@ class TowerContext:
         self._example_weight = None
         self._weight_fn = None
         self.strategy = None
+        self.check_finite = True
 
     @property
     def example_weight(self):

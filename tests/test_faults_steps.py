@@ -63,6 +63,31 @@ def test_loss_scale_optimizer_skips_the_step_and_training_goes_on():
     assert all(np.isfinite(w).all() for w in model.get_weights())
 
 
+def test_check_finite_false_applies_every_step_as_stock_keras_does():
+    """compile(check_finite=False) drops the per-step check: a NaN step is
+    applied (the weights become NaN, as in stock Keras) and training goes on;
+    finite steps give the same weights as with the check."""
+    x, y = _regression_data(nan_at=29)
+    with kt.distributed("mirrored", devices=TWO):
+        model = _regression_model(keras.optimizers.SGD(0.01))
+        model.compile(optimizer=keras.optimizers.SGD(0.01), loss="mse", check_finite=False)
+        model.fit(x, y, batch_size=4, epochs=1, shuffle=False, verbose=0)
+    assert model.loop.global_step == 8
+    assert not all(np.isfinite(w).all() for w in model.get_weights())
+    clean_x, clean_y = _regression_data()
+    weights = []
+    for check_finite in (True, False):
+        with kt.distributed("mirrored", devices=TWO):
+            model = _regression_model(keras.optimizers.SGD(0.01))
+            model.compile(optimizer=keras.optimizers.SGD(0.01), loss="mse", check_finite=check_finite)
+            model.fit(clean_x, clean_y, batch_size=4, epochs=1, shuffle=False, verbose=0)
+        weights.append(model.get_weights())
+    for a, b in zip(*weights):
+        np.testing.assert_array_equal(a, b)
+    with pytest.raises(kt.errors.ArgumentError, match="check_finite must be True or False; got 'no'"):
+        model.compile(optimizer="sgd", loss="mse", check_finite="no")
+
+
 def test_a_nan_in_a_trainer_tower_function_stops_it():
     x, y = _regression_data(nan_at=5)
 

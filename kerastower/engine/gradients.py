@@ -121,8 +121,9 @@ def apply_in_tower(optimizer, keras_apply, gradients, variables=None):
         )
     reduced, variables = [g for g, _ in pairs], [v for _, v in pairs]
     with _compat.gradients_already_reduced():
-        if isinstance(optimizer, keras.optimizers.LossScaleOptimizer):
-            # It skips a non-finite step itself and lowers its scale.
+        if isinstance(optimizer, keras.optimizers.LossScaleOptimizer) or not ctx.check_finite:
+            # It skips a non-finite step itself and lowers its scale (or the
+            # user compiled with check_finite=False).
             return keras_apply(optimizer, reduced, variables)
         finite = nonfinite.all_finite(reduced)
         nonfinite.record(ctx, finite, weighted)
