@@ -83,6 +83,8 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="fewer steps and rounds")
     parser.add_argument("--only", default="", help="comma-separated: P1,P2,P3,XLA,spe,P5,coll")
+    parser.add_argument("--steps", type=int, help="timed steps per run (default 20)")
+    parser.add_argument("--rounds", type=int, help="rounds per comparison (default 11)")
     args = parser.parse_args()
     devices, where = setup_devices()
 
@@ -90,6 +92,7 @@ def main():
     import models
 
     steps, rounds = (10, 3) if args.quick else (20, 11)
+    steps, rounds = args.steps or steps, args.rounds or rounds
     wanted = set(filter(None, args.only.split(","))) or {"P1", "P2", "P3", "XLA", "spe", "P5", "coll"}
     sections = [
         ("P1", lambda: cases.fit_vs_bare(models.mlp, 256, steps, rounds)
