@@ -143,8 +143,7 @@ class TowerModel(keras.Model):
         with XLA (kerastower/engine/xla.py): on N towers `train_step`'s forward
         and backward and the whole `test_step` and `predict_step`, on one the
         whole step; "auto" uses XLA when there is an accelerator.
-        `check_finite=False` drops the NaN/Inf check of every step's gradients
-        (docs/reliability.md), which reads them once more."""
+        `check_finite=False` drops each step's NaN check (docs/reliability.md)."""
         kwargs = arguments.compile_kwargs(kwargs)
         # Keras's step functions (they would jit the cross-tower work) are unused.
         super().compile(*args, jit_compile=False, **kwargs)
