@@ -34,7 +34,12 @@ from kerastower.inputs import TowerInputContext
 from kerastower import horovod as _horovod  # registers "horovod"; imports Horovod only when used
 from kerastower import multiworker as _multiworker  # registers "multiworker"
 from kerastower.loop import LoopState
-from kerastower.model import TowerModel
+from kerastower.strategies import _on_jax
+
+if _on_jax():
+    from kerastower.jax_model import TowerModel
+else:
+    from kerastower.model import TowerModel
 from kerastower.strategies import TowerStrategy
 from kerastower.strategies import distributed
 from kerastower.strategies import register_strategy

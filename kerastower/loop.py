@@ -21,7 +21,6 @@ import keras
 from kerastower import _compat
 from kerastower.callbacks import monitors
 from kerastower.callbacks.base import Callback as KtCallback
-from kerastower.engine import tf_step
 from kerastower.errors import StrategyError
 from kerastower.resume import ResumeState
 
@@ -225,7 +224,7 @@ def check_strategy(model, method):
     from kerastower import strategies
 
     active = strategies.current_strategy()
-    if strategies.is_explicit() and active.tf_strategy is not model.tower_strategy.tf_strategy:
+    if strategies.is_explicit() and _placement(active) is not _placement(model.tower_strategy):
         same_kind = (
             " (another object of the same kind: each kt.distributed(...) call makes its "
             "own strategy, so enter one object, e.g. `towers = kt.distributed(...)`, for "
@@ -237,6 +236,12 @@ def check_strategy(model, method):
             "kt.distributed function or block that calls "
             f"{method}(), so its variables live on the towers that train it."
         )
+
+
+def _placement(strategy):
+    """What places a strategy's towers: its tf.distribute strategy on
+    TensorFlow (wrappers of one are made anew), itself on JAX."""
+    return getattr(strategy, "tf_strategy", strategy)
 
 
 class MainLoop:
@@ -313,7 +318,7 @@ class MainLoop:
                 self.restored_from = getattr(unwrapped(callback), "restored_from", None)
         state = self.strategy.broadcast_object(None if state is None else state.to_dict())
         self.strategy.sync_initial_state(self.model)
-        tf_step.seed_towers_apart(self.model)
+        self.strategy.seed_towers_apart(self.model)
         if state is None:
             return None
         state = ResumeState.from_dict(state)

@@ -21,6 +21,7 @@ New engines (Horovod, multi-worker) register themselves with
 import functools
 import threading
 
+import keras
 import tensorflow as tf
 
 from kerastower import _compat
@@ -151,6 +152,11 @@ class TowerStrategy:
         """Makes every tower start from the same variables (one process:
         mirrored variables already are)."""
 
+    def seed_towers_apart(self, model):
+        """Gives every tower its own random streams (see tf_step)."""
+        from kerastower.engine.tf_step import seed_towers_apart
+        seed_towers_apart(model)
+
     def broadcast_object(self, obj):
         """The chief's `obj` (JSON-able), on every process."""
         return obj
@@ -247,13 +253,11 @@ def _make_mirrored(devices):
 
 def _make_central(devices):
     raise StrategyError(
-        '"central" (tf.distribute.experimental.CentralStorageStrategy: '
-        "variables on one device, like tensorpack's "
-        "SyncMultiGPUTrainerParameterServer) does not work with Keras 3: "
-        "Keras's metrics update summing variables as assign(value + x), which "
-        "that strategy counts once per tower (wrong logs, inexact evaluation), "
-        "and BatchNormalization, Dropout and every random layer fail on its "
-        "variables. Use \"mirrored\": the same synchronous updates, with "
+        '"central" (CentralStorageStrategy: variables on one device, tensorpack\'s '
+        "SyncMultiGPUTrainerParameterServer) does not work with Keras 3: Keras's "
+        "metrics then count each update once per tower (wrong logs, inexact "
+        "evaluation) and BatchNormalization, Dropout and every random layer fail "
+        'on its variables. Use "mirrored": the same synchronous updates, with '
         "variables replicated on every tower."
     )
 
@@ -301,6 +305,16 @@ def strategy_names():
 _local = threading.local()
 
 
+def _on_jax():
+    return keras.backend.backend() == "jax"
+
+
+def _jax_strategies():
+    from kerastower import jax_strategies  # imports JAX: only on that backend
+
+    return jax_strategies
+
+
 def _active():
     if not hasattr(_local, "stack"):
         _local.stack = []
@@ -318,6 +332,8 @@ def current_strategy():
     default device."""
     if _active():
         return _active()[-1]
+    if _on_jax():
+        return _jax_strategies().default()
     tf_strategy = tf.distribute.get_strategy()
     if tf.distribute.has_strategy():
         return TowerStrategy(type(tf_strategy).__name__, tf_strategy)
@@ -358,9 +374,9 @@ class distributed:
                 + ", ".join(repr(n) for n in strategy_names())
                 + "."
             )
-        parsed = parse_devices(devices, name)
+        parsed = None if _on_jax() else parse_devices(devices, name)
         self.name = name
-        self.devices = None if parsed is None else [given for given, _ in parsed]
+        self.devices = devices if parsed is None else [given for given, _ in parsed]
         self._strategy = None
         self._scopes = []
 
@@ -368,7 +384,8 @@ class distributed:
     def strategy(self):
         """The `TowerStrategy`, made on first use and then reused."""
         if self._strategy is None:
-            self._strategy = _REGISTRY[self.name](self.devices)
+            self._strategy = (_jax_strategies().make(self.name, self.devices) if _on_jax()
+                              else _REGISTRY[self.name](self.devices))
         return self._strategy
 
     def __enter__(self):

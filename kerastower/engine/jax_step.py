@@ -1,0 +1,332 @@
+"""The compiled tower step on JAX: one batch per tower per step, one jitted call.
+
+One step of N towers, as `tf_step.py` does it on TensorFlow:
+
+1. each tower's batch is put on its own device, and the N batches become one
+   array sharded over the towers (`place_tower_batches`): no host-side join;
+2. in one `jax.jit`, `shard_map` runs on every device the branch of that
+   device's tower (`lax.switch` over the towers): the model's own
+   `train_step(state, data)` traced under a TowerContext whose index is a
+   Python int, so tower code may branch on it as on TensorFlow;
+3. the tower's call of `optimizer.stateless_apply` hands its gradients out
+   instead of applying them: they are averaged over the towers (a tower's
+   share is n_i / sum_j n_j, and the towers' batches have one shape here,
+   so 1/N), checked for NaN/Inf, and the optimizer is applied once, to the
+   averaged gradients (where gradients are reduced);
+4. non-trainable weights (BatchNormalization statistics, seed states) follow
+   tower 0; each tower keeps its own metric variables, summed when the logs
+   are read, so the logs are example-weighted over towers.
+"""
+
+import contextlib
+import functools
+
+import jax
+import jax.numpy as jnp
+import keras
+import numpy as np
+from jax.sharding import Mesh
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec
+
+from kerastower import _compat
+from kerastower.errors import DataMismatchError
+from kerastower.errors import TowerRuleError
+from kerastower.tower import TowerContext
+
+__all__ = ["AXIS", "tower_mesh", "place_tower_batches", "TowerSteps"]
+
+AXIS = "towers"
+_REPLICATED = PartitionSpec()
+_BY_TOWER = PartitionSpec(AXIS)
+
+
+def tower_mesh(devices):
+    """A one-axis mesh with one tower per device, in tower order."""
+    return Mesh(np.array(devices, dtype=object), (AXIS,))
+
+
+def place_tower_batches(mesh, batches):
+    """One array per leaf, sharded over the towers, from one batch per tower:
+    tower i's batch is put on device i as it is."""
+    devices = list(mesh.devices.flat)
+    shapes = [[np.shape(leaf) for leaf in jax.tree.leaves(batch)] for batch in batches]
+    if any(shape != shapes[0] for shape in shapes):
+        raise DataMismatchError(
+            f"On the JAX backend the towers of one step need batches of one shape "
+            f"(one sharded array); got {shapes}. Give every tower the same batch "
+            "size, or train on one device."
+        )
+    sharding = NamedSharding(mesh, _BY_TOWER)
+
+    def join(*leaves):
+        parts = [jax.device_put(leaf, device) for leaf, device in zip(leaves, devices)]
+        first = np.shape(leaves[0])
+        return jax.make_array_from_single_device_arrays(
+            (first[0] * len(leaves),) + tuple(first[1:]), sharding, parts)
+
+    return jax.tree.map(join, *batches)
+
+
+class _TakenGradients:
+    def __init__(self):
+        self.gradients = None
+
+
+@contextlib.contextmanager
+def _gradients_taken(optimizer, step_name):
+    """Inside a tower, `optimizer.stateless_apply` keeps the gradients and
+    changes nothing: the step applies them once, reduced over the towers."""
+    taken = _TakenGradients()
+
+    def stateless_apply(optimizer_variables, grads, trainable_variables):
+        if taken.gradients is not None:
+            raise TowerRuleError(
+                f"{step_name} called optimizer.stateless_apply twice in one tower. "
+                "kerastower applies one reduced update per step; apply once."
+            )
+        taken.gradients = list(grads)
+        return list(trainable_variables), list(optimizer_variables)
+
+    object.__setattr__(optimizer, "stateless_apply", stateless_apply)
+    try:
+        yield taken
+    finally:
+        object.__delattr__(optimizer, "stateless_apply")
+
+
+def _seed_positions(model):
+    """Where the seed generators' states sit among the non-trainable variables."""
+    states = {
+        id(generator.state)
+        for layer in _compat.flatten_layers(model)
+        for generator in _compat.seed_generators(layer)
+    }
+    return [i for i, v in enumerate(model.non_trainable_variables) if id(v) in states]
+
+
+def _seeded_apart(values, positions, index):
+    """Tower `index`'s random streams: tower 0's seed moved by the index (as
+    on TensorFlow), so no two towers draw the same Dropout mask."""
+    if index == 0:
+        return values
+    values = list(values)
+    for i in positions:
+        values[i] = values[i] + jnp.asarray([index * 1_000_003, 0], values[i].dtype)
+    return values
+
+
+def _per_tower(values, num_towers):
+    """`values` as varying over the towers (each tower's own copy)."""
+    if num_towers == 1:
+        return list(values)
+    if hasattr(jax.lax, "pcast"):
+        return [jax.lax.pcast(v, AXIS, to="varying") for v in values]
+    return [jax.lax.pvary(v, AXIS) for v in values]
+
+
+def _all_finite(values):
+    flags = [jnp.all(jnp.isfinite(v)) for v in values if jnp.issubdtype(v.dtype, jnp.inexact)]
+    return jnp.all(jnp.stack(flags)) if flags else jnp.asarray(True)
+
+
+class TowerSteps:
+    """The compiled train, test and predict steps of `model` on `mesh`'s
+    towers, and the training state they carry between calls.
+
+    The state lives on the towers' devices between steps and is written
+    back into the model's variables after every call, so callbacks and
+    checkpoints see the weights of the last step.
+    """
+
+    def __init__(self, model, mesh, check_finite=True):
+        self.model = model
+        self.mesh = mesh
+        self.num_towers = mesh.size
+        self.check_finite = check_finite
+        self._functions = {}
+        self._tower_metrics = None
+
+    # -- state ------------------------------------------------------------
+
+    def _replicated(self, values):
+        sharding = NamedSharding(self.mesh, _REPLICATED)
+        return [jax.device_put(v, sharding) for v in values]
+
+    def reset_metrics(self):
+        """Every tower's metric variables start again from the model's."""
+        self._tower_metrics = None
+
+    def _metric_state(self):
+        if self._tower_metrics is None:
+            # Tower 0 holds what the model's metrics hold, the others zeros:
+            # their sum is the model's.
+            stacked = [
+                np.stack([np.asarray(v.value)] + [np.zeros(v.shape, v.dtype)] * (self.num_towers - 1))
+                for v in self.model.metrics_variables
+            ]
+            sharding = NamedSharding(self.mesh, _BY_TOWER)
+            self._tower_metrics = [jax.device_put(v, sharding) for v in stacked]
+        return self._tower_metrics
+
+    def _write_back(self, variables, values):
+        for variable, value in zip(variables, values):
+            variable.assign(value)
+
+    # -- the steps --------------------------------------------------------
+
+    def train(self, batches):
+        """One training step on one batch per tower; returns (logs, the
+        towers whose own gradients were not finite, or None when the step
+        applied its update)."""
+        model = self.model
+        state = (
+            self._replicated([v.value for v in model.trainable_variables]),
+            self._replicated([v.value for v in model.non_trainable_variables]),
+            self._replicated([v.value for v in model.optimizer.variables]),
+            self._metric_state(),
+        )
+        function = self._function("train", self._train_body)
+        (trainable, non_trainable, optimizer, metrics), logs, finite = function(
+            state, place_tower_batches(self.mesh, batches))
+        self._tower_metrics = metrics
+        self._write_back(model.trainable_variables, trainable)
+        self._write_back(model.non_trainable_variables, non_trainable)
+        self._write_back(model.optimizer.variables, optimizer)
+        self._write_back(model.metrics_variables, [m.sum(axis=0) for m in metrics])
+        finite = np.asarray(finite)
+        return logs, (None if finite.all() else np.flatnonzero(~finite).tolist())
+
+    def test(self, batches):
+        """One evaluation step on one batch per tower; returns the logs."""
+        model = self.model
+        state = (
+            self._replicated([v.value for v in model.trainable_variables]),
+            self._replicated([v.value for v in model.non_trainable_variables]),
+            self._metric_state(),
+        )
+        function = self._function("test", self._test_body)
+        metrics, logs = function(state, place_tower_batches(self.mesh, batches))
+        self._tower_metrics = metrics
+        self._write_back(model.metrics_variables, [m.sum(axis=0) for m in metrics])
+        return logs
+
+    def predict(self, batches):
+        """The towers' outputs on one batch each, joined in tower order."""
+        model = self.model
+        state = (
+            self._replicated([v.value for v in model.trainable_variables]),
+            self._replicated([v.value for v in model.non_trainable_variables]),
+        )
+        function = self._function("predict", self._predict_body)
+        return function(state, place_tower_batches(self.mesh, batches))
+
+    def _function(self, mode, body):
+        if mode not in self._functions:
+            specs = {
+                "train": ((_REPLICATED,) * 3 + (_BY_TOWER, _BY_TOWER),
+                          (_REPLICATED,) * 3 + (_BY_TOWER, _BY_TOWER)),
+                "test": ((_REPLICATED,) * 2 + (_BY_TOWER, _BY_TOWER), _BY_TOWER),
+                "predict": ((_REPLICATED,) * 2 + (_BY_TOWER,), _BY_TOWER),
+            }[mode]
+            sharded = jax.shard_map(body, mesh=self.mesh, in_specs=specs[0], out_specs=specs[1])
+            self._functions[mode] = jax.jit(
+                functools.partial(self._run, mode, sharded), donate_argnums=0 if mode == "train" else ())
+        return self._functions[mode]
+
+    def _run(self, mode, sharded, state, data):
+        if mode == "predict":
+            return sharded(*state, data)
+        if mode == "test":
+            metrics = sharded(*state, data)
+            return metrics, self._logs(metrics)
+        *new_state, finite = sharded(*state, data)
+        return tuple(new_state), self._logs(new_state[3]), finite
+
+    def _logs(self, tower_metrics):
+        """The model's metrics from every tower's metric variables summed
+        (totals and counts): example-weighted over towers."""
+        summed = [m.sum(axis=0) for m in tower_metrics]
+        with keras.StatelessScope(state_mapping=list(zip(self.model.metrics_variables, summed))):
+            return self.model.get_metrics_result()
+
+    def _switch(self, branch, *args):
+        """`branch(index, *args)` for this device's tower, traced once per tower."""
+        if self.num_towers == 1:
+            return branch(0, *args)
+        branches = [functools.partial(branch, i) for i in range(self.num_towers)]
+        return jax.lax.switch(jax.lax.axis_index(AXIS), branches, *args)
+
+    def _from_tower_0(self, values):
+        if self.num_towers == 1:
+            return list(values)
+        return [jax.lax.all_gather(v, AXIS)[0] for v in values]
+
+    def _tower_context(self, index, is_training, examples=None):
+        ctx = TowerContext(index, self.num_towers, is_training)
+        ctx.strategy = getattr(self.model, "tower_strategy", None)
+        ctx.num_examples = examples
+        ctx.example_weight = jnp.asarray(1.0 / self.num_towers, "float32")
+        ctx.check_finite = self.check_finite
+        return ctx
+
+    def _train_body(self, trainable, non_trainable, optimizer_vars, tower_metrics, data):
+        model = self.model
+        step_name = f"{type(model).__name__}.train_step"
+        positions = _seed_positions(model)
+
+        def tower(index, trainable, non_trainable, optimizer_vars, metrics, data):
+            examples = jax.tree.leaves(data)[0].shape[0]
+            non_trainable = _seeded_apart(non_trainable, positions, index)
+            with self._tower_context(index, True, examples), \
+                    _gradients_taken(model.optimizer, step_name) as taken:
+                _, (_, non_trainable, _, metrics) = model.train_step(
+                    (trainable, non_trainable, optimizer_vars, metrics), data)
+            if taken.gradients is None:
+                raise TowerRuleError(
+                    f"{step_name} did not call self.optimizer.stateless_apply, so "
+                    "there is no update to reduce over the towers. Call it once "
+                    "with the gradients, as keras.Model.train_step does on JAX."
+                )
+            return taken.gradients, list(non_trainable), list(metrics)
+
+        metrics = [m[0] for m in tower_metrics]
+        # Each tower differentiates its own copy of the weights: the gradient
+        # of replicated weights would come out summed over the towers.
+        gradients, non_trainable, metrics = self._switch(
+            tower, _per_tower(trainable, self.num_towers), non_trainable, optimizer_vars, metrics, data)
+        tower_finite = _all_finite(gradients)
+        if self.num_towers > 1:
+            gradients = [jax.lax.pmean(g, AXIS) for g in gradients]
+        new_trainable, new_optimizer = model.optimizer.stateless_apply(
+            optimizer_vars, gradients, trainable)
+        finite = _all_finite(gradients)
+        if self.check_finite:
+            new_trainable = [jnp.where(finite, n, o) for n, o in zip(new_trainable, trainable)]
+            new_optimizer = [jnp.where(finite, n, o) for n, o in zip(new_optimizer, optimizer_vars)]
+        flags = jnp.logical_or(tower_finite, not self.check_finite)
+        return (list(new_trainable), self._from_tower_0(non_trainable), list(new_optimizer),
+                [m[None] for m in metrics], flags[None])
+
+    def _test_body(self, trainable, non_trainable, tower_metrics, data):
+        model = self.model
+
+        def tower(index, trainable, non_trainable, metrics, data):
+            with self._tower_context(index, False):
+                _, (_, _, metrics) = model.test_step((trainable, non_trainable, metrics), data)
+            return list(metrics)
+
+        metrics = self._switch(tower, trainable, non_trainable, [m[0] for m in tower_metrics], data)
+        return [m[None] for m in metrics]
+
+    def _predict_body(self, trainable, non_trainable, data):
+        model = self.model
+
+        def tower(index, trainable, non_trainable, data):
+            ctx = self._tower_context(index, False)
+            ctx.name = f"predict_tower{index}"
+            with ctx:
+                outputs, _ = model.predict_step((trainable, non_trainable), data)
+            return outputs
+
+        return self._switch(tower, trainable, non_trainable, data)

@@ -1,0 +1,236 @@
+"""TowerModel on the JAX backend: the same tower semantics, JAX's step engine.
+
+With `KERAS_BACKEND=jax`, `kt.TowerModel` is this class. `fit` runs the
+one training loop (loop.py) with every callback; each iteration is one call
+of the jitted tower step (engine/jax_step.py) on one batch per tower.
+Towers keep Keras's JAX steps: `train_step(self, state, data)`,
+`compute_loss` overrides and custom steps run as they are, once per tower.
+
+```python
+import os; os.environ["KERAS_BACKEND"] = "jax"
+import keras, numpy as np, kerastower as kt
+
+with kt.distributed("mirrored"):          # every local JAX device
+    inputs = keras.Input((8,))
+    model = kt.TowerModel(inputs, keras.layers.Dense(1)(inputs))
+    model.compile(optimizer="adam", loss="mse")
+    model.fit(np.ones((64, 8)), np.ones((64, 1)), batch_size=8)   # 8 per tower
+```
+"""
+
+import keras
+import numpy as np
+
+from kerastower import _compat
+from kerastower import arguments
+from kerastower import strategies
+from kerastower.engine import jax_step
+from kerastower.errors import InputSourceError
+from kerastower.errors import KerasTowerError
+from kerastower.fit_steps import FitSteps
+from kerastower.jax_inputs import ArrayBatches
+from kerastower.loop import LoopState
+from kerastower.loop import MainLoop
+from kerastower.loop import check_strategy
+from kerastower.loop import training_callbacks
+
+__all__ = ["TowerModel"]
+
+_FUNCTIONAL_TWINS = {}
+
+
+@keras.saving.register_keras_serializable(package="kerastower")
+class TowerModel(keras.Model):
+    """A `keras.Model` that trains with tensorpack's tower semantics, on JAX.
+
+    Under a strategy with N towers (`kt.distributed("mirrored")`), each
+    step runs the model's `train_step` once per tower, under a
+    `TowerContext`, on a whole batch that tower took; `batch_size` is per
+    tower. The update is that of one device on the joined batch.
+
+    Examples:
+        >>> import keras, numpy as np, kerastower as kt
+        >>> inputs = keras.Input((3,))
+        >>> model = kt.TowerModel(inputs, keras.layers.Dense(1)(inputs))
+        >>> model.compile(optimizer="sgd", loss="mse")
+        >>> history = model.fit(np.ones((8, 3)), np.ones((8, 1)), batch_size=4, verbose=0)
+        >>> model.loop.global_step
+        2
+    """
+
+    def __new__(cls, *args, **kwargs):
+        # Keras makes `SomeModel(inputs, outputs)` functional by rewriting the
+        # bases of SomeModel and its parents, TowerModel included, which would
+        # make every later subclass functional; a functional twin avoids that.
+        functional = _compat.functional_class()
+        if _compat.functional_init_arguments(args, kwargs) and not issubclass(cls, functional):
+            if cls not in _FUNCTIONAL_TWINS:
+                _FUNCTIONAL_TWINS[cls] = type(cls.__name__, (cls, functional), {"__module__": cls.__module__})
+            return super().__new__(_FUNCTIONAL_TWINS[cls])
+        return super().__new__(cls)
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self._tower_strategy = strategies.current_strategy()
+        self.loop = LoopState()
+        self._engines = {}
+
+    @property
+    def tower_strategy(self):
+        """The strategy this model was created under."""
+        return self._tower_strategy
+
+    @property
+    def num_towers(self):
+        return self._tower_strategy.num_towers
+
+    def compile(self, *args, check_finite=True, **kwargs):
+        """As `keras.Model.compile`; `check_finite=False` drops each step's
+        NaN check of the reduced gradients (docs/reliability.md)."""
+        kwargs = arguments.compile_kwargs(kwargs)
+        super().compile(*args, **kwargs)
+        self.tower_check_finite = arguments.boolean(check_finite, "check_finite", "compile")
+        self._engines = {}
+
+    def engine(self, num_towers=None):
+        """The `jax_step.TowerSteps` of the first `num_towers` towers (all by default)."""
+        devices = self._tower_strategy.devices[:num_towers]
+        if len(devices) not in self._engines:
+            mesh = jax_step.tower_mesh(devices)
+            self._engines[len(devices)] = jax_step.TowerSteps(
+                self, mesh, getattr(self, "tower_check_finite", True))
+        return self._engines[len(devices)]
+
+    def run_towers(self, mode, batches):
+        """One train, test or predict step on `batches` (one per tower, or
+        one holding a pass's last examples)."""
+        engine = self.engine(len(batches))
+        for other in self._engines.values():
+            if other is not engine:
+                other.reset_metrics()  # the model's metrics hold the last step's
+        return getattr(engine, mode)(batches)
+
+    def reset_metrics(self):
+        super().reset_metrics()
+        for engine in self._engines.values():
+            engine.reset_metrics()
+
+    def make_train_function(self, force=False):
+        return self.engine()
+
+    def _batches(self, x, y, sample_weight, batch_size, shuffle=False):
+        if isinstance(x, ArrayBatches):
+            return x
+        return ArrayBatches(x, y, sample_weight, batch_size or 32, shuffle)
+
+    def fit(self, x=None, y=None, batch_size=None, epochs=1, verbose="auto", callbacks=None,
+            validation_split=0.0, validation_data=None, shuffle=True, class_weight=None,
+            sample_weight=None, initial_epoch=0, steps_per_epoch=None, validation_steps=None,
+            validation_batch_size=None, validation_freq=1, logdir=None):
+        """Trains the model; `batch_size` is per tower (see `keras.Model.fit`)."""
+        _compat.assert_compile_called(self, "fit")
+        check_strategy(self, "fit")
+        if logdir is not None:
+            raise KerasTowerError(
+                "fit(logdir=...) writes TensorBoard files through TensorFlow, which the "
+                "JAX backend does not use yet; pass keras.callbacks.TensorBoard instead.")
+        (batch_size, epochs, verbose, initial_epoch, steps_per_epoch, validation_steps,
+         validation_batch_size, validation_freq) = arguments.fit_integers(
+            batch_size, epochs, verbose, initial_epoch, steps_per_epoch, validation_steps,
+            validation_batch_size, validation_freq)
+        x, y, sample_weight, validation_data = arguments.fit_data(
+            x, y, sample_weight, class_weight, validation_split, validation_data)
+        batches = self._batches(x, y, sample_weight, batch_size, shuffle)
+        validation = None
+        if validation_data is not None:
+            validation = {"source": self._batches(*_unpacked(validation_data),
+                                                  validation_batch_size or batch_size),
+                          "steps": validation_steps, "freq": validation_freq}
+        _compat.symbolic_build(self, batches.first_batch())
+        epoch_length = steps_per_epoch or batches.steps(self.num_towers)
+        callbacks = training_callbacks(self, callbacks, verbose, logdir, epochs, epoch_length)
+        if self.loop.global_step == 0 and self.optimizer is not None:
+            self.loop.global_step = int(self.optimizer.iterations.numpy())
+        steps = JaxFitSteps(self, batches, callbacks, steps_per_epoch, validation, verbose)
+        MainLoop(self, self.loop, callbacks, "fit").run(
+            steps, initial_epoch + 1, epochs, steps_per_epoch, epoch_length=epoch_length)
+        return self.history
+
+    def evaluate(self, x=None, y=None, batch_size=None, verbose="auto", sample_weight=None,
+                 steps=None, callbacks=None, return_dict=False, **kwargs):
+        """Evaluates data-parallel and exactly: each example counted once."""
+        kwargs.pop("_from_fit", None)
+        if kwargs:
+            raise ValueError(f"Arguments not recognized: {kwargs}")
+        _compat.assert_compile_called(self, "evaluate")
+        check_strategy(self, "evaluate")
+        batches = self._batches(x, y, sample_weight, batch_size)
+        _compat.symbolic_build(self, batches.first_batch())
+        self.reset_metrics()
+        logs = {}
+        for step, tower_batches in enumerate(batches.one_pass(self.num_towers)):
+            if steps and step >= steps:
+                break
+            logs = self.run_towers("test", tower_batches)
+        if not logs:
+            raise InputSourceError("evaluate() got no batch: the input is empty.")
+        logs = _compat.pythonify_logs(logs)
+        return logs if return_dict else _compat.flatten_metrics_in_order(self, logs)
+
+    def predict(self, x, batch_size=None, verbose="auto", steps=None, callbacks=None):
+        """Predicts data-parallel; outputs come back in input order."""
+        check_strategy(self, "predict")
+        batches = self._batches(x, None, None, batch_size)
+        outputs = []
+        for step, tower_batches in enumerate(batches.one_pass(self.num_towers)):
+            if steps and step >= steps:
+                break
+            outputs.append(self.run_towers("predict", tower_batches))
+        if not outputs:
+            raise InputSourceError("predict() got no batch: the input is empty.")
+        return keras.tree.map_structure(
+            lambda *parts: np.concatenate([np.asarray(p) for p in parts], axis=0), *outputs)
+
+
+def _unpacked(data):
+    data = tuple(data) if isinstance(data, (tuple, list)) else (data,)
+    return data + (None,) * (3 - len(data))
+
+
+class JaxFitSteps(FitSteps):
+    """fit's iteration on JAX: one jitted tower step per batch of every tower."""
+
+    def start(self, skip_batches, epoch_num):
+        if skip_batches is not None:
+            raise KerasTowerError(
+                "Resuming fit from a checkpoint is not supported on the JAX backend yet; "
+                "start again, or train with KERAS_BACKEND=tensorflow.")
+        self.endless = bool(self.steps_per_epoch)
+        if self.endless:
+            self.iterator = self.source.endless(self.model.num_towers)
+
+    def before_epoch(self, loop):
+        self.model.reset_metrics()
+        self.loop = loop
+        if not self.endless:
+            loop.tower_batches = [0] * self.model.num_towers
+            self.iterator = self.source.one_pass(self.model.num_towers, loop.epoch_num - 1)
+
+    def run(self, num_steps):
+        self.run_hooks.before_run()
+        ran = 0
+        for _ in range(num_steps):
+            batches = next(self.iterator, None)
+            if batches is None:
+                break
+            self.logs, bad_towers = self.model.run_towers("train", batches)
+            if bad_towers is not None:
+                self.failure = (self.loop.global_step + ran + 1, bad_towers)
+                break
+            ran += 1
+            examples = [len(keras.tree.flatten(b)[0]) for b in batches]
+            self.loop.tower_batches = [n + 1 for n in self.loop.tower_batches]
+            self.loop.examples_seen += sum(examples)
+            self._announce_total_batch(examples * (self.model.num_towers // len(examples)))
+        self.run_hooks.after_run(self.logs)
+        return ran, self.logs

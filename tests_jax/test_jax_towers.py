@@ -1,0 +1,115 @@
+"""Towers on JAX: contexts, exact evaluation, predict order, the short last
+step, and the errors TensorFlow-only features give."""
+
+import doctest
+import os
+import re
+
+import jax
+import keras
+import numpy as np
+import pytest
+
+import kerastower as kt
+from kerastower import jax_inputs
+from kerastower import jax_model
+from kerastower import jax_strategies
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+class TowerRecorder(keras.layers.Layer):
+    """Identity; notes each tower context it is traced under."""
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.contexts = []
+
+    def call(self, x):
+        ctx = kt.get_current_tower_context()
+        if ctx is not None:
+            self.contexts.append((ctx.index, ctx.total, ctx.name, x.shape[0]))
+        return x
+
+
+def _model(recorder=None, devices=(0, 1)):
+    with kt.distributed("mirrored", devices=list(devices)):
+        inputs = keras.Input((3,))
+        h = recorder(inputs) if recorder is not None else inputs
+        model = kt.TowerModel(inputs, keras.layers.Dense(2)(h))
+        model.compile(optimizer="sgd", loss="mse", metrics=["mae"])
+    return model
+
+
+def test_each_tower_is_traced_once_under_its_context_with_its_own_batch():
+    recorder = TowerRecorder()
+    model = _model(recorder, devices=(0, 1, 2))
+    model.fit(np.ones((24, 3)), np.ones((24, 2)), batch_size=4, epochs=1, verbose=0)
+    training = [c for c in recorder.contexts if c[2].startswith("tower")]
+    assert sorted(training) == [(0, 3, "tower0", 4), (1, 3, "tower1", 4), (2, 3, "tower2", 4)]
+    assert all(type(c[0]) is int for c in training)
+    assert model.loop.global_step == 2
+
+
+def test_evaluate_counts_every_example_once_and_predict_keeps_input_order():
+    model = _model()
+    x = np.random.default_rng(0).normal(size=(40, 3)).astype("float32")
+    y = np.random.default_rng(1).normal(size=(40, 2)).astype("float32")
+    got = model.evaluate(x, y, batch_size=8, return_dict=True, verbose=0)
+    predictions = model.predict(x, batch_size=8, verbose=0)
+    expected = model(x).__array__()
+    np.testing.assert_allclose(predictions, expected, atol=1e-6)
+    # 40 examples: 2 steps of 2 x 8, then one step of the last 8 on one tower.
+    np.testing.assert_allclose(got["loss"], np.mean((expected - y) ** 2), atol=1e-6)
+    np.testing.assert_allclose(got["mae"], np.mean(np.abs(expected - y)), atol=1e-6)
+
+
+def test_a_short_last_step_runs_as_one_tower_on_the_joined_batch():
+    x = np.random.default_rng(2).normal(size=(20, 3)).astype("float32")
+    y = np.random.default_rng(3).normal(size=(20, 2)).astype("float32")
+    keras.utils.set_random_seed(5)
+    one = _model(devices=(0,))
+    keras.utils.set_random_seed(5)
+    two = _model(devices=(0, 1))
+    two.set_weights(one.get_weights())
+    one.fit(x, y, batch_size=16, epochs=2, shuffle=False, verbose=0)
+    two.fit(x, y, batch_size=8, epochs=2, shuffle=False, verbose=0)
+    assert one.loop.global_step == two.loop.global_step == 4
+    for a, b in zip(one.get_weights(), two.get_weights()):
+        np.testing.assert_allclose(b, a, atol=1e-6)
+
+
+def test_towers_need_batches_of_one_shape():
+    from kerastower.engine import jax_step
+
+    mesh = jax_step.tower_mesh(jax.devices()[:2])
+    with pytest.raises(kt.DataMismatchError, match="one shape"):
+        jax_step.place_tower_batches(mesh, [(np.ones((4, 3)),), (np.ones((3, 3)),)])
+
+
+@pytest.mark.parametrize("name", ["horovod", "multiworker"])
+def test_tensorflow_only_strategies_say_what_to_use_instead(name):
+    with pytest.raises(kt.StrategyError, match='On JAX use "mirrored"'):
+        with kt.distributed(name):
+            pass
+
+
+def test_a_tf_data_pipeline_gets_a_clear_error():
+    model = _model()
+    with pytest.raises(kt.InputSourceError, match="numpy arrays"):
+        model.fit(object(), verbose=0)
+
+
+def test_the_jax_page_and_docstrings_run(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    with open(os.path.join(ROOT, "docs", "jax.md")) as f:
+        text = f.read()
+    blocks = re.findall(r"```python\n(.*?)```", text, flags=re.S)
+    assert blocks
+    for block in blocks:
+        exec(compile(block, "docs/jax.md", "exec"), {"__name__": "docs_jax"})
+    for module in (jax_model, jax_inputs, jax_strategies):
+        for test in doctest.DocTestFinder().find(module):
+            if test.examples:
+                result = doctest.DocTestRunner().run(test)
+                assert result.failed == 0, test.name
