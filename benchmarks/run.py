@@ -97,7 +97,8 @@ def main():
     sections = [
         ("P1", lambda: cases.fit_vs_bare(models.mlp, 256, steps, rounds)
          + cases.fit_vs_bare(models.convnet, 64, steps, rounds)),
-        ("P2", lambda: cases.towers_vs_stock(models.convnet, devices[:2], 64, steps, rounds)
+        ("P2", lambda: cases.towers_vs_stock(models.small_mlp, devices[:2], 32, steps, rounds)
+         + cases.towers_vs_stock(models.convnet, devices[:2], 64, steps, rounds)
          + cases.towers_vs_stock(models.transformer, devices[:2], 32, steps, rounds, with_xla=True)),
         ("P3", lambda: cases.generator_overlap(models.mlp, 64, steps, rounds)),
         ("XLA", lambda: cases.xla_gain(models.transformer, devices[:2], 32, steps, rounds)),

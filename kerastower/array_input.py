@@ -56,11 +56,16 @@ class ArrayInput(DatasetInput):
         self.batch_size = batch_size
         super().__init__(self._make_dataset())
 
-    def _make_dataset(self):
+    deals_out = True
+
+    def _tower_share(self, ctx, skip):
+        return self._make_dataset(lambda batches: batches.skip(skip).shard(ctx.total, ctx.index))
+
+    def _make_dataset(self, deal=None):
         # Batches of example indices, shuffled as the examples would be (a
         # shuffle's order depends on its seed and size only), then one
         # gather per batch: far cheaper than slicing every example and
-        # batching them one by one.
+        # batching them one by one. `deal` picks one tower's index batches.
         indices = tf.data.Dataset.range(self._length)
         if self._shuffle:
             indices = indices.shuffle(self._length, seed=self._seed, reshuffle_each_iteration=True)
@@ -72,6 +77,8 @@ class ArrayInput(DatasetInput):
             indices = indices.batch(self.batch_size, drop_remainder=whole).repeat()
         else:
             indices = indices.batch(self.batch_size)
+        if deal is not None:
+            indices = deal(indices)
         arrays = tf.data.Dataset.from_tensors(self._element).repeat()
         return tf.data.Dataset.zip((indices, arrays)).map(
             lambda batch, element: tf.nest.map_structure(lambda a: tf.gather(a, batch), element),

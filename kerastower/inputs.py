@@ -92,6 +92,9 @@ class InputSource:
         pipeline goes on exactly where it stopped.
         """
         total = strategy.num_towers
+        # Towers on CPU devices read plain host iterators, one per tower: a
+        # shared pipeline that can deal itself out is copied per tower.
+        dealt = not self.per_tower and total > 1 and strategy.host_fed() and self.deals_out
         common_spec = None
         if self.per_tower and total > 1:
             common_spec = _common_spec(
@@ -99,7 +102,9 @@ class InputSource:
             )
 
         def dataset_fn(input_context):
-            index = input_context.input_pipeline_id if self.per_tower else 0
+            index = input_context.input_pipeline_id if self.per_tower or dealt else 0
+            if dealt:
+                return self._tower_share(TowerInputContext(index, total), sum(skip_batches or [0]))
             dataset = self.tower_dataset(TowerInputContext(index, total))
             if skip_batches is not None:
                 skip = skip_batches[index] if self.per_tower else sum(skip_batches)
@@ -108,7 +113,16 @@ class InputSource:
                 dataset = _relax_to(dataset, common_spec)
             return dataset
 
-        return strategy.distribute(dataset_fn, per_tower=self.per_tower)
+        return strategy.distribute(dataset_fn, per_tower=self.per_tower or dealt)
+
+    # Whether `_tower_share` can build tower i's share of a shared pipeline
+    # (its batches i, i + N, ...) at no more cost than the shared one.
+    deals_out = False
+
+    def _tower_share(self, ctx, skip):
+        """Tower `ctx.index`'s batches of the shared pipeline after `skip`
+        batches: the ones it takes when the towers take successive batches."""
+        raise NotImplementedError
 
     def element_spec(self, total):
         """The `tf.TensorSpec` structure of tower 0's batches."""
