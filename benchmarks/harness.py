@@ -15,7 +15,6 @@ import statistics
 import time
 
 import keras
-import tensorflow as tf
 
 WARMUP = 3
 
@@ -72,6 +71,8 @@ def loop_runner(step):
 
 def bare_step(model, x, y):
     """A compiled train step on constant tensors: the limit fit aims at."""
+    import tensorflow as tf  # the JAX benchmark (jax_run.py) shares this module
+
     loss_fn = model.loss
     model.optimizer.build(model.trainable_variables)
     x, y = tf.constant(x), tf.constant(y)

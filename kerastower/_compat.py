@@ -13,8 +13,8 @@ import importlib
 import threading
 
 import keras
-import tensorflow as tf
 
+from kerastower._tf import tf
 from kerastower.errors import KerasTowerError
 
 __all__ = ["TESTED", "require", "install_tower_patches"]
@@ -25,6 +25,8 @@ TESTED = "Keras 3.15.1 with TensorFlow 2.21, and Keras 3.10.0 with TensorFlow 2.
 
 
 def _versions():
+    if keras.backend.backend() != "tensorflow":
+        return f"Keras {keras.__version__} on {keras.backend.backend()}"
     return f"Keras {keras.__version__}, TensorFlow {tf.__version__}"
 
 

@@ -11,8 +11,8 @@ import numbers
 
 import keras
 import numpy as np
-import tensorflow as tf
 
+from kerastower._tf import tf
 from kerastower import _compat
 from kerastower.errors import ArgumentError
 from kerastower.errors import InputSourceError

@@ -16,8 +16,8 @@ import contextlib
 import threading
 
 import keras
-import tensorflow as tf
 
+from kerastower._tf import tf
 from kerastower import _compat
 from kerastower.errors import DataMismatchError
 from kerastower.errors import KerasTowerError

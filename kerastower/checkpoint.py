@@ -43,8 +43,8 @@ import os
 import warnings
 
 import numpy as np
-import tensorflow as tf
 
+from kerastower._tf import tf
 from kerastower import checkpoint_files
 from kerastower.checkpoint_files import DamagedCheckpointError
 from kerastower.checkpoint_keys import keyed_variables

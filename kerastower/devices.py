@@ -12,8 +12,7 @@ named twice raises `kt.StrategyError` at once, listing the logical devices
 there are, instead of hanging or silently placing a tower elsewhere.
 """
 
-import tensorflow as tf
-
+from kerastower._tf import tf
 from kerastower.arguments import integer
 from kerastower.errors import StrategyError
 

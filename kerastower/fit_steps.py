@@ -11,7 +11,6 @@ import numpy as np
 from kerastower import _compat
 from kerastower.callbacks.base import RunHooks
 from kerastower.engine import nonfinite
-from kerastower.engine import tf_step
 from kerastower.errors import InputSourceError
 from kerastower.loop import Iteration
 from kerastower.loop import announce_total_batch
@@ -92,6 +91,8 @@ class FitSteps(Iteration):
         self.run_hooks.before_run()
         first = self.loop.global_step + 1
         what = f"Training step {first}" + (f" (or up to {first + num_steps - 1})" if num_steps > 1 else "")
+        from kerastower.engine import tf_step  # TensorFlow's: JaxFitSteps overrides run
+
         run = tf_step.run_steps(self.function, self.iterator, num_steps, what, self.endless)
         self.run_hooks.after_run(run.logs)
         steps = run.steps
@@ -139,6 +140,8 @@ class FitSteps(Iteration):
         logs = dict(self.logs)
         if self.logs and not self.model.tower_strategy.single_process:
             # The steps gave this process's metrics; the epoch's are all towers'.
+            from kerastower.engine import tf_step  # several processes: TensorFlow only
+
             logs = dict(tf_step.logs_across_towers(self.model))
         validation = self.validation
         if validation is not None and _due(loop.epoch_num - 1, validation["freq"]):

@@ -22,8 +22,8 @@ import collections
 import inspect
 
 import numpy as np
-import tensorflow as tf
 
+from kerastower._tf import tf
 from kerastower import python_feed
 from kerastower.arguments import integer
 from kerastower.engine import step_errors

@@ -20,8 +20,8 @@ import queue
 import threading
 
 import numpy as np
-import tensorflow as tf
 
+from kerastower._tf import tf
 from kerastower.errors import InputSourceError
 
 __all__ = ["feedable", "feed_dataset"]

@@ -14,19 +14,19 @@ def train():
 `TowerStrategy`: a thin wrapper over a `tf.distribute.Strategy` that gives the
 rest of kerastower the few operations it needs (run a function once per tower,
 all-reduce inside a tower, turn an InputSource into per-tower iterators).
-New engines (Horovod, multi-worker) register themselves with
-`register_strategy`.
+The strategies register themselves with `register_strategy`: mirrored.py
+("single", "mirrored"), horovod.py, multiworker.py; on JAX,
+jax_strategies.py makes them.
 """
 
 import functools
 import threading
 
 import keras
-import tensorflow as tf
 
+from kerastower._tf import tf
 from kerastower import _compat
 from kerastower.engine import collectives
-from kerastower.devices import local_devices
 from kerastower.devices import parse_devices
 from kerastower.errors import StrategyError
 
@@ -226,54 +226,9 @@ class TowerStrategy:
         return f"TowerStrategy({self.name!r}, towers={self.num_towers})"
 
 
-def _default_devices():
-    """All GPUs when there are any, else every logical CPU device."""
-    gpus = tf.config.list_logical_devices("GPU")
-    if gpus:
-        return [d.name for d in gpus]
-    return [d.name for d in tf.config.list_logical_devices("CPU")]
-
-
-def _make_single(devices):
-    if devices is None:
-        return TowerStrategy("single", tf.distribute.get_strategy())
-    devices = local_devices(devices, "single")
-    if len(devices) != 1:
-        raise StrategyError(
-            f'"single" runs one tower on one device; got devices={devices}. '
-            'Use "mirrored" for several devices.'
-        )
-    return TowerStrategy("single", tf.distribute.OneDeviceStrategy(devices[0]))
-
-
-def _make_mirrored(devices):
-    devices = local_devices(devices, "mirrored") if devices is not None else _default_devices()
-    cross_ops = None
-    if not any("GPU" in d.upper() for d in devices):
-        # NCCL needs GPUs; on CPU devices a plain reduction is the only choice.
-        cross_ops = tf.distribute.ReductionToOneDevice()
-    return TowerStrategy(
-        "mirrored",
-        tf.distribute.MirroredStrategy(devices, cross_device_ops=cross_ops),
-    )
-
-
-def _make_central(devices):
-    raise StrategyError(
-        '"central" (CentralStorageStrategy: variables on one device, tensorpack\'s '
-        "SyncMultiGPUTrainerParameterServer) does not work with Keras 3: Keras's "
-        "metrics then count each update once per tower (wrong logs, inexact "
-        "evaluation) and BatchNormalization, Dropout and every random layer fail "
-        'on its variables. Use "mirrored": the same synchronous updates, with '
-        "variables replicated on every tower."
-    )
-
-
-_REGISTRY = {
-    "single": _make_single,
-    "mirrored": _make_mirrored,
-    "central": _make_central,
-}
+# Filled by the modules that make strategies: mirrored.py ("single",
+# "mirrored", "central"), horovod.py and multiworker.py.
+_REGISTRY = {}
 
 
 def register_strategy(name, factory):
@@ -375,7 +330,7 @@ class distributed:
     """
 
     def __init__(self, name="mirrored", devices=None):
-        if name not in _REGISTRY:
+        if name not in _REGISTRY and not _on_jax():  # jax_strategies knows its own
             raise StrategyError(
                 f"Unknown strategy {name!r}. Valid names: "
                 + ", ".join(repr(n) for n in strategy_names())

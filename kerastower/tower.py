@@ -19,8 +19,7 @@ class Net(kt.TowerModel):
 import contextlib
 import threading
 
-import tensorflow as tf
-
+from kerastower._tf import tf
 from kerastower.errors import TowerRuleError
 
 __all__ = ["TowerContext", "get_current_tower_context"]

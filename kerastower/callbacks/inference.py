@@ -27,8 +27,8 @@ are those of training alone.
 import contextlib
 
 import numpy as np
-import tensorflow as tf
 
+from kerastower._tf import tf
 from kerastower import _compat
 from kerastower.callbacks.base import Callback
 from kerastower.inputs import InputSource

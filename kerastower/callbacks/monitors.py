@@ -27,13 +27,12 @@ import statistics
 import time
 
 import keras
-import tensorflow as tf
 
+from kerastower._tf import tf
 from kerastower import _compat
 from kerastower.arguments import integer
 from kerastower.callbacks.base import Callback
-from kerastower.callbacks.write_guard import WRITE_ERRORS
-from kerastower.callbacks.write_guard import GuardedSummary
+from kerastower.callbacks.write_guard import write_errors
 from kerastower.callbacks.write_guard import WriteFailures
 from kerastower.callbacks.write_guard import never_raising_a_write_error
 
@@ -307,6 +306,8 @@ class TensorBoard(keras.callbacks.TensorBoard):
         super().__init__(log_dir=log_dir, update_freq=update_freq, **kwargs)
         self._last_written_step = 0
         self._failures = WriteFailures("TensorBoard")
+        from kerastower.callbacks.summary_guard import GuardedSummary  # TensorFlow's
+
         self._guarded_summary = GuardedSummary(self._failures, self.log_dir)
 
     @property
@@ -318,7 +319,7 @@ class TensorBoard(keras.callbacks.TensorBoard):
         self._failures.reset()
         try:
             super().set_model(model)
-        except WRITE_ERRORS as error:
+        except write_errors() as error:
             self._failures.failed(error, self.log_dir)
 
     def on_train_begin(self, logs=None):

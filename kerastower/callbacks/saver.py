@@ -23,8 +23,7 @@ import os
 import time
 import warnings
 
-import tensorflow as tf
-
+from kerastower._tf import tf
 from kerastower import checkpoint
 from kerastower import checkpoint_files
 from kerastower.arguments import integer

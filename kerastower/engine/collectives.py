@@ -21,7 +21,7 @@ Examples:
 import contextlib
 import threading
 
-import tensorflow as tf
+from kerastower._tf import tf
 
 __all__ = ["collectives_per_step", "note", "recording"]
 

@@ -11,8 +11,7 @@ the last good step, so nothing non-finite reaches a checkpoint.
 itself, lowers its loss scale and goes on (the loop counts the step).
 """
 
-import tensorflow as tf
-
+from kerastower._tf import tf
 from kerastower.errors import NonFiniteError
 
 __all__ = [

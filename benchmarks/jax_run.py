@@ -1,0 +1,124 @@
+"""The JAX backend's ratios: kt-JAX fit against a bare jitted step and stock Keras.
+
+    KERAS_BACKEND=jax python benchmarks/jax_run.py [--steps 40] [--rounds 7]
+        [--models small_mlp,mlp,convnet] [--batch 64] [--towers 2]
+
+The bare step is what a JAX user writes by hand: one `jax.jit` of the
+model's `stateless_call`, `jax.value_and_grad` and the optimizer's
+`stateless_apply`, its state donated, on a batch already on the device.
+kt-JAX fit runs one tower on one device from numpy arrays (what a user
+passes), and with `--towers N` also N towers on N devices (forced host
+devices on a CPU: they share its cores). Stock Keras-JAX `fit` runs the same
+model from the same arrays. Ratios are taken round by round in one process
+(harness.py), rates in samples per second.
+"""
+
+import argparse
+import functools
+import os
+import platform
+import sys
+
+os.environ.setdefault("KERAS_BACKEND", "jax")
+
+import jax  # noqa: E402
+import keras  # noqa: E402
+import numpy as np  # noqa: E402
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import harness  # noqa: E402
+import models  # noqa: E402
+
+import kerastower as kt  # noqa: E402
+
+
+def bare_jax_step(model, x, y):
+    """A hand-written jitted train step on device-resident constants."""
+    model.optimizer.build(model.trainable_variables)
+    loss_fn = model.loss
+    state = [
+        [v.value for v in model.trainable_variables],
+        [v.value for v in model.non_trainable_variables],
+        [v.value for v in model.optimizer.variables],
+    ]
+    x, y = jax.device_put(x), jax.device_put(y)
+
+    def loss_of(trainable, non_trainable, x, y):
+        outputs, non_trainable = model.stateless_call(trainable, non_trainable, x, training=True)
+        return loss_fn(y, outputs), non_trainable
+
+    @functools.partial(jax.jit, donate_argnums=(0, 1, 2))
+    def step(trainable, non_trainable, optimizer_state, x, y):
+        (loss, non_trainable), grads = jax.value_and_grad(loss_of, has_aux=True)(
+            trainable, non_trainable, x, y)
+        trainable, optimizer_state = model.optimizer.stateless_apply(optimizer_state, grads, trainable)
+        return loss, trainable, non_trainable, optimizer_state
+
+    def run():
+        loss, *new_state = step(*state, x, y)
+        state[:] = new_state
+        return loss
+
+    return run
+
+
+def fit_runner(model, x, y, batch):
+    return harness.fit_runner(lambda steps, callbacks: model.fit(
+        x, y, batch_size=batch, steps_per_epoch=steps, epochs=1, verbose=0, callbacks=callbacks))
+
+
+def rows_for(build, batch, towers, steps, rounds):
+    x, y = models.examples(build, 64 * batch * max(towers, 1))
+    with kt.distributed("single", devices=[0]):
+        tower_model = models.compile_model(build(kt.TowerModel))
+    bare = models.compile_model(build(keras.Model))
+    stock = models.compile_model(build(keras.Model))
+    runners = {
+        "bare": (harness.loop_runner(bare_jax_step(bare, x[:batch], y[:batch])), batch),
+        "kt": (fit_runner(tower_model, x, y, batch), batch),
+        "stock": (fit_runner(stock, x, y, batch), batch),
+    }
+    if towers > 1:
+        with kt.distributed("mirrored", devices=list(range(towers))):
+            many = models.compile_model(build(kt.TowerModel))
+        runners["kt towers"] = (fit_runner(many, x, y, batch), towers * batch)
+    result = harness.compare(runners, steps, rounds)
+    name = build.__name__
+    rows = [
+        (f"JAX {name}", "kt fit 1 device / bare jitted step", "kt", "bare", 0.98),
+        (f"JAX {name}", "kt fit 1 device / stock Keras-JAX fit", "kt", "stock", 1.0),
+    ]
+    if towers > 1:
+        rows.append((f"JAX {name}", f"kt fit {towers} towers / kt fit 1 device", "kt towers", "kt", None))
+    return [(case, what, result.ratio(a, b), result.ratio(a, b, cpu=True), goal,
+             f"{result.rate('bare'):.0f} samples/s bare" if a == "kt" and b == "bare" else "")
+            for case, what, a, b, goal in rows]
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--steps", type=int, default=40)
+    parser.add_argument("--rounds", type=int, default=7)
+    parser.add_argument("--models", default="small_mlp,mlp,convnet")
+    parser.add_argument("--batch", type=int, default=64)
+    parser.add_argument("--towers", type=int, default=min(2, len(jax.devices())))
+    args = parser.parse_args()
+    if keras.backend.backend() != "jax":
+        raise SystemExit("Run with KERAS_BACKEND=jax.")
+    devices = jax.devices()
+    print(f"machine: {platform.processor() or platform.machine()}, {os.cpu_count()} cores, "
+          f"{len(devices)} {devices[0].platform} device(s) ({devices[0].device_kind}); "
+          f"Python {platform.python_version()}, JAX {jax.__version__}, Keras {keras.__version__}")
+    print(f"{args.steps} timed steps x {args.rounds} rounds per runner, batch {args.batch} "
+          "per tower; medians of per-round ratios\n")
+    print("| case | ratio | wall | CPU time | goal | detail |")
+    print("|---|---|---|---|---|---|")
+    for name in filter(None, args.models.split(",")):
+        for case, what, wall, cpu, goal, detail in rows_for(
+                getattr(models, name), args.batch, args.towers, args.steps, args.rounds):
+            met = "" if goal is None else f">= {goal}" + (" met" if wall >= goal else " NOT met")
+            print(f"| {case} | {what} | {wall:.3f} | {cpu:.3f} | {met} | {detail} |", flush=True)
+
+
+if __name__ == "__main__":
+    main()
