@@ -16,6 +16,10 @@ One step of N towers, as `tf_step.py` does it on TensorFlow:
 4. non-trainable weights (BatchNormalization statistics, seed states) follow
    tower 0; each tower keeps its own metric variables, summed when the logs
    are read, so the logs are example-weighted over towers.
+
+Synchronized BatchNormalization sums its moments over the towers while a
+tower is traced (jax_sync.py); tower i's random seeds are tower 0's moved
+by i, so the towers' Dropout masks differ.
 """
 
 import contextlib
@@ -30,11 +34,14 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec
 
 from kerastower import _compat
+from kerastower.engine import jax_sync
 from kerastower.errors import DataMismatchError
 from kerastower.errors import TowerRuleError
 from kerastower.tower import TowerContext
 
 __all__ = ["AXIS", "tower_mesh", "place_tower_batches", "TowerSteps"]
+
+jax_sync.install()
 
 AXIS = "towers"
 _REPLICATED = PartitionSpec()
@@ -251,16 +258,32 @@ class TowerSteps:
             return self.model.get_metrics_result()
 
     def _switch(self, branch, *args):
-        """`branch(index, *args)` for this device's tower, traced once per tower."""
+        """`branch(index, *args)` for this device's tower, traced once per tower.
+
+        While the branches are traced, synchronized BatchNormalization's
+        moments sum over the towers (jax_sync.py).
+        """
         if self.num_towers == 1:
             return branch(0, *args)
         branches = [functools.partial(branch, i) for i in range(self.num_towers)]
-        return jax.lax.switch(jax.lax.axis_index(AXIS), branches, *args)
+        with jax_sync.synchronized_over(AXIS):
+            return jax.lax.switch(jax.lax.axis_index(AXIS), branches, *args)
 
     def _from_tower_0(self, values):
-        if self.num_towers == 1:
-            return list(values)
-        return [jax.lax.all_gather(v, AXIS)[0] for v in values]
+        """Tower 0's `values`, the same on every tower.
+
+        A masked psum, not all_gather: shard_map then knows the result is
+        replicated. One tower too, whose values computed from its batch
+        vary over the axis.
+        """
+        first = jax.lax.axis_index(AXIS) == 0
+
+        def take(v):
+            if v.dtype == jnp.bool_:
+                return take(v.astype(jnp.int32)).astype(jnp.bool_)
+            return jax.lax.psum(jnp.where(first, v, jnp.zeros_like(v)), AXIS)
+
+        return [take(v) for v in values]
 
     def _tower_context(self, index, is_training, examples=None):
         ctx = TowerContext(index, self.num_towers, is_training)
