@@ -44,9 +44,9 @@ class ArrayBatches:
         if not leaves or not all(hasattr(a, "shape") and np.ndim(a) >= 1 for a in leaves):
             raise InputSourceError(
                 "On the JAX backend, fit, evaluate and predict take numpy arrays (or "
-                "lists and dicts of them) for now; got "
-                f"{[type(a).__name__ for a in leaves] or type(x).__name__}. "
-                "tf.data pipelines are TensorFlow's: use KERAS_BACKEND=tensorflow for them."
+                "lists and dicts of them), a Python generator or iterable of batches, "
+                "or a keras.utils.PyDataset; got "
+                f"{[type(a).__name__ for a in leaves] or type(x).__name__}."
             )
         lengths = {int(np.shape(a)[0]) for a in leaves}
         if len(lengths) != 1:
@@ -60,6 +60,9 @@ class ArrayBatches:
         # From numpy's generator, which keras.utils.set_random_seed seeds:
         # every pass's order is replayable.
         self._seed = int(np.random.randint(2**31 - 1)) if shuffle else None
+
+    def check_finite(self, method, argument=None):
+        """Arrays always end: nothing to check."""
 
     def steps(self, num_towers):
         """Steps in one pass with `num_towers` towers."""

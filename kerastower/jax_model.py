@@ -18,17 +18,19 @@ with kt.distributed("mirrored"):          # every local JAX device
 ```
 """
 
+import itertools
+
 import keras
 import numpy as np
 
 from kerastower import _compat
 from kerastower import arguments
+from kerastower import jax_sources
 from kerastower import strategies
 from kerastower.engine import jax_step
 from kerastower.errors import InputSourceError
 from kerastower.errors import KerasTowerError
 from kerastower.fit_steps import FitSteps
-from kerastower.jax_inputs import ArrayBatches
 from kerastower.loop import LoopState
 from kerastower.loop import MainLoop
 from kerastower.loop import check_strategy
@@ -107,8 +109,16 @@ class TowerModel(keras.Model):
         engine = self.engine(len(batches))
         for other in self._engines.values():
             if other is not engine:
+                other.sync()
                 other.reset_metrics()  # the model's metrics hold the last step's
         return getattr(engine, mode)(batches)
+
+    def jax_state_sync(self):
+        """Writes the weights the towers hold into the model's variables
+        (Keras calls it when a callback reads `self.model`)."""
+        super().jax_state_sync()
+        for engine in getattr(self, "_engines", {}).values():
+            engine.sync()
 
     def reset_metrics(self):
         super().reset_metrics()
@@ -119,9 +129,16 @@ class TowerModel(keras.Model):
         return self.engine()
 
     def _batches(self, x, y, sample_weight, batch_size, shuffle=False):
-        if isinstance(x, ArrayBatches):
-            return x
-        return ArrayBatches(x, y, sample_weight, batch_size or 32, shuffle)
+        """numpy arrays, a generator or a PyDataset as per-tower batches (jax_sources.py)."""
+        return jax_sources.tower_batches(x, y, sample_weight, batch_size, shuffle)
+
+    def _build_from(self, batches):
+        """Builds the model, its loss and metrics from the source's first
+        batch, read only when something is still unbuilt."""
+        unbuilt = (not all(layer.built for layer in _compat.flatten_layers(self))
+                   or any(not getattr(getattr(self, name, None), "built", True)
+                          for name in ("_compile_metrics", "_compile_loss")))
+        _compat.symbolic_build(self, batches.first_batch() if unbuilt else None)
 
     def fit(self, x=None, y=None, batch_size=None, epochs=1, verbose="auto", callbacks=None,
             validation_split=0.0, validation_data=None, shuffle=True, class_weight=None,
@@ -138,22 +155,35 @@ class TowerModel(keras.Model):
          validation_batch_size, validation_freq) = arguments.fit_integers(
             batch_size, epochs, verbose, initial_epoch, steps_per_epoch, validation_steps,
             validation_batch_size, validation_freq)
+        if validation_split and jax_sources.is_batched(x):
+            raise InputSourceError(
+                f"validation_split cuts numpy arrays; x is a {type(x).__name__}. Pass "
+                "validation_data (arrays, a generator or a PyDataset) instead.")
         x, y, sample_weight, validation_data = arguments.fit_data(
             x, y, sample_weight, class_weight, validation_split, validation_data)
         batches = self._batches(x, y, sample_weight, batch_size, shuffle)
+        if not steps_per_epoch:
+            batches.check_finite("fit")
         validation = None
         if validation_data is not None:
-            validation = {"source": self._batches(*_unpacked(validation_data),
-                                                  validation_batch_size or batch_size),
+            val_x, val_y, val_weight = _unpacked(validation_data)
+            if not jax_sources.is_batched(val_x):
+                validation_batch_size = validation_batch_size or batch_size
+            validation = {"source": self._batches(val_x, val_y, val_weight, validation_batch_size),
                           "steps": validation_steps, "freq": validation_freq}
-        _compat.symbolic_build(self, batches.first_batch())
+            if not validation_steps:
+                validation["source"].check_finite("fit", "validation_steps")
+        self._build_from(batches)
         epoch_length = steps_per_epoch or batches.steps(self.num_towers)
         callbacks = training_callbacks(self, callbacks, verbose, logdir, epochs, epoch_length)
         if self.loop.global_step == 0 and self.optimizer is not None:
             self.loop.global_step = int(self.optimizer.iterations.numpy())
         steps = JaxFitSteps(self, batches, callbacks, steps_per_epoch, validation, verbose)
-        MainLoop(self, self.loop, callbacks, "fit").run(
-            steps, initial_epoch + 1, epochs, steps_per_epoch, epoch_length=epoch_length)
+        try:
+            MainLoop(self, self.loop, callbacks, "fit").run(
+                steps, initial_epoch + 1, epochs, steps_per_epoch, epoch_length=epoch_length)
+        finally:
+            self.jax_state_sync()  # also when training stopped on an error
         return self.history
 
     def evaluate(self, x=None, y=None, batch_size=None, verbose="auto", sample_weight=None,
@@ -165,15 +195,17 @@ class TowerModel(keras.Model):
         _compat.assert_compile_called(self, "evaluate")
         check_strategy(self, "evaluate")
         batches = self._batches(x, y, sample_weight, batch_size)
-        _compat.symbolic_build(self, batches.first_batch())
+        if not steps:
+            batches.check_finite("evaluate")
+        self._build_from(batches)
         self.reset_metrics()
         logs = {}
-        for step, tower_batches in enumerate(batches.one_pass(self.num_towers)):
-            if steps and step >= steps:
-                break
+        # islice takes no batch past the last step: a generator keeps the rest.
+        for tower_batches in itertools.islice(batches.one_pass(self.num_towers), steps or None):
             logs = self.run_towers("test", tower_batches)
         if not logs:
-            raise InputSourceError("evaluate() got no batch: the input is empty.")
+            raise InputSourceError(
+                "evaluate() got no batch: the input is empty (or a generator already used up).")
         logs = _compat.pythonify_logs(logs)
         return logs if return_dict else _compat.flatten_metrics_in_order(self, logs)
 
@@ -181,13 +213,14 @@ class TowerModel(keras.Model):
         """Predicts data-parallel; outputs come back in input order."""
         check_strategy(self, "predict")
         batches = self._batches(x, None, None, batch_size)
+        if not steps:
+            batches.check_finite("predict")
         outputs = []
-        for step, tower_batches in enumerate(batches.one_pass(self.num_towers)):
-            if steps and step >= steps:
-                break
+        for tower_batches in itertools.islice(batches.one_pass(self.num_towers), steps or None):
             outputs.append(self.run_towers("predict", tower_batches))
         if not outputs:
-            raise InputSourceError("predict() got no batch: the input is empty.")
+            raise InputSourceError(
+                "predict() got no batch: the input is empty (or a generator already used up).")
         return keras.tree.map_structure(
             lambda *parts: np.concatenate([np.asarray(p) for p in parts], axis=0), *outputs)
 
@@ -234,3 +267,17 @@ class JaxFitSteps(FitSteps):
             self._announce_total_batch(examples * (self.model.num_towers // len(examples)))
         self.run_hooks.after_run(self.logs)
         return ran, self.logs
+
+    def epoch_logs(self, loop):
+        self.model.jax_state_sync()  # epoch-end callbacks and validation read the weights
+        return super().epoch_logs(loop)
+
+    def ended_early(self, loop, step):
+        if self.failure is None and self.steps_per_epoch:
+            raise InputSourceError(
+                f"The input ran out after {step} of steps_per_epoch={self.steps_per_epoch} "
+                f"steps in epoch {loop.epoch_num}. With steps_per_epoch set, an epoch is only "
+                "the period at which callbacks run, and every step takes one batch per tower "
+                f"({self.model.num_towers}): the generator must go on (e.g. loop forever), or "
+                "leave steps_per_epoch unset to make an epoch one pass.")
+        super().ended_early(loop, step)

@@ -153,6 +153,7 @@ class TowerSteps:
         self.check_finite = check_finite
         self._functions = {}
         self._tower_metrics = None
+        self._held = None
 
     # -- state ------------------------------------------------------------
 
@@ -180,38 +181,53 @@ class TowerSteps:
         for variable, value in zip(variables, values):
             variable.assign(value)
 
+    # The weights stay on the towers' devices from step to step, and reach
+    # the model's variables only when something reads them (`sync`, which
+    # Keras calls when a callback touches `self.model`): writing every
+    # variable back after every step cost more than a small model's step.
+    def _variable_lists(self):
+        model = self.model
+        return (model.trainable_variables, model.non_trainable_variables,
+                model.optimizer.variables)
+
+    def _current_state(self):
+        """What the towers hold, else the model's variables (not kept: the
+        user may set them before the next call)."""
+        if self._held is not None:
+            return self._held
+        return tuple(self._replicated([v.value for v in variables])
+                     for variables in self._variable_lists())
+
+    def sync(self):
+        """Writes what the towers hold into the model's variables; the next
+        step reads the variables again (a callback may have set one)."""
+        if self._held is not None:
+            for variables, values in zip(self._variable_lists(), self._held):
+                self._write_back(variables, values)
+            self._held = None
+        if self._tower_metrics is not None:
+            self._write_back(self.model.metrics_variables,
+                             [m.sum(axis=0) for m in self._tower_metrics])
+
     # -- the steps --------------------------------------------------------
 
     def train(self, batches):
         """One training step on one batch per tower; returns (logs, the
         towers whose own gradients were not finite, or None when the step
         applied its update)."""
-        model = self.model
-        state = (
-            self._replicated([v.value for v in model.trainable_variables]),
-            self._replicated([v.value for v in model.non_trainable_variables]),
-            self._replicated([v.value for v in model.optimizer.variables]),
-            self._metric_state(),
-        )
+        data = place_tower_batches(self.mesh, batches)
         function = self._function("train", self._train_body)
-        (trainable, non_trainable, optimizer, metrics), logs, finite = function(
-            state, place_tower_batches(self.mesh, batches))
-        self._tower_metrics = metrics
-        self._write_back(model.trainable_variables, trainable)
-        self._write_back(model.non_trainable_variables, non_trainable)
-        self._write_back(model.optimizer.variables, optimizer)
-        self._write_back(model.metrics_variables, [m.sum(axis=0) for m in metrics])
+        state = (*self._current_state(), self._metric_state())
+        self._held = None  # donated to the step
+        (*held, metrics), logs, finite = function(state, data)
+        self._held, self._tower_metrics = tuple(held), metrics
         finite = np.asarray(finite)
         return logs, (None if finite.all() else np.flatnonzero(~finite).tolist())
 
     def test(self, batches):
         """One evaluation step on one batch per tower; returns the logs."""
         model = self.model
-        state = (
-            self._replicated([v.value for v in model.trainable_variables]),
-            self._replicated([v.value for v in model.non_trainable_variables]),
-            self._metric_state(),
-        )
+        state = (*self._current_state()[:2], self._metric_state())
         function = self._function("test", self._test_body)
         metrics, logs = function(state, place_tower_batches(self.mesh, batches))
         self._tower_metrics = metrics
@@ -220,11 +236,7 @@ class TowerSteps:
 
     def predict(self, batches):
         """The towers' outputs on one batch each, joined in tower order."""
-        model = self.model
-        state = (
-            self._replicated([v.value for v in model.trainable_variables]),
-            self._replicated([v.value for v in model.non_trainable_variables]),
-        )
+        state = self._current_state()[:2]
         function = self._function("predict", self._predict_body)
         return function(state, place_tower_batches(self.mesh, batches))
 
