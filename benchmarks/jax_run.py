@@ -69,10 +69,12 @@ def fit_runner(model, x, y, batch):
 
 def rows_for(build, batch, towers, steps, rounds):
     x, y = models.examples(build, 64 * batch * max(towers, 1))
+    # jit_compile=False would make stock Keras-JAX run its step eagerly;
+    # kerastower's JAX step is always one jax.jit.
     with kt.distributed("single", devices=[0]):
-        tower_model = models.compile_model(build(kt.TowerModel))
-    bare = models.compile_model(build(keras.Model))
-    stock = models.compile_model(build(keras.Model))
+        tower_model = models.compile_model(build(kt.TowerModel), jit_compile=True)
+    bare = models.compile_model(build(keras.Model), jit_compile=True)
+    stock = models.compile_model(build(keras.Model), jit_compile=True)
     runners = {
         "bare": (harness.loop_runner(bare_jax_step(bare, x[:batch], y[:batch])), batch),
         "kt": (fit_runner(tower_model, x, y, batch), batch),
@@ -80,7 +82,7 @@ def rows_for(build, batch, towers, steps, rounds):
     }
     if towers > 1:
         with kt.distributed("mirrored", devices=list(range(towers))):
-            many = models.compile_model(build(kt.TowerModel))
+            many = models.compile_model(build(kt.TowerModel), jit_compile=True)
         runners["kt towers"] = (fit_runner(many, x, y, batch), towers * batch)
     result = harness.compare(runners, steps, rounds)
     name = build.__name__

@@ -3,7 +3,8 @@
 A checkpoint is a folder `ckpt-<global_step>` inside the checkpoint directory:
 
     ckpt-00000120/
-        variables.index, variables.data-00000-of-00001
+        variables.index, variables.data-00000-of-00001 (TensorFlow), or
+        variables.npz (JAX: kerastower/checkpoint_variables.py)
                         every variable a run carries, each under its key
                         (kerastower/checkpoint_keys.py): the model's
                         (seed-generator states included) and every
@@ -44,8 +45,8 @@ import warnings
 
 import numpy as np
 
-from kerastower._tf import tf
 from kerastower import checkpoint_files
+from kerastower import checkpoint_variables
 from kerastower.checkpoint_files import DamagedCheckpointError
 from kerastower.checkpoint_keys import keyed_variables
 from kerastower.errors import KerasTowerError
@@ -55,9 +56,6 @@ __all__ = [
     "latest_checkpoint", "verify_checkpoint", "clean_up", "DamagedCheckpointError",
     "NonFiniteCheckpointError", "CheckpointMismatchError",
 ]
-
-_VARIABLES = "variables"
-
 
 class NonFiniteCheckpointError(KerasTowerError):
     """The variables to checkpoint hold NaN or Inf; nothing was written.
@@ -217,13 +215,17 @@ def clean_up(directory):
     return checkpoint_files.clean_up(directory)
 
 
-def _numpy(variable):
-    """The value of a (possibly mirrored) variable, on the host."""
-    return tf.convert_to_tensor(variable.value).numpy()
-
-
 def _all_finite(value):
-    return not tf.as_dtype(value.dtype).is_floating or bool(np.isfinite(value).all())
+    return not checkpoint_variables.is_floating(value.dtype) or bool(np.isfinite(value).all())
+
+
+def _sync(model):
+    """Has the model's variables hold what its towers hold (JAX keeps the
+    weights on the devices between steps), dropping that held state, so
+    that what is saved is current and what is restored is used next."""
+    sync = getattr(model, "jax_state_sync", None)
+    if sync is not None:
+        sync()
 
 
 def _state_text(state):
@@ -262,28 +264,23 @@ def write_checkpoint(directory, model, state, retention=None):
     """
     state_text = _state_text(state)
     step = int(state["global_step"])
+    _sync(model)
     keyed = keyed_variables(model)
-    values = [_numpy(v) for _, _, v in keyed]
+    values = [checkpoint_variables.host_value(v) for _, _, v in keyed]
     finite = [_all_finite(value) for value in values]
     bad = [key for (key, _, _), ok in zip(keyed, finite) if not ok]
     if bad:
         raise NonFiniteCheckpointError(step, bad)
 
     def fill(folder):
-        with tf.device("CPU:0"):
-            tf.raw_ops.SaveV2(
-                prefix=os.path.join(folder, _VARIABLES),
-                tensor_names=[key for key, _, _ in keyed],
-                shape_and_slices=[""] * len(keyed),
-                tensors=values,
-            )
+        checkpoint_variables.write(folder, [key for key, _, _ in keyed], values)
         with open(os.path.join(folder, checkpoint_files.STATE), "w") as f:
             f.write(state_text)
 
     fields = {
         "variables": [
             {"key": key, "path": path, "shape": list(value.shape),
-             "dtype": tf.as_dtype(value.dtype).name, "finite": ok}
+             "dtype": checkpoint_variables.dtype_name(value.dtype), "finite": ok}
             for (key, path, _), value, ok in zip(keyed, values, finite)
         ],
         "retention": retention or {},
@@ -296,7 +293,7 @@ def _match(manifest, keyed):
     saved = {v["key"]: v for v in manifest["variables"]}
     pairs, missing, reshaped = [], [], []
     for key, _, variable in keyed:
-        shape, dtype = list(variable.shape), tf.as_dtype(variable.dtype).name
+        shape, dtype = list(variable.shape), checkpoint_variables.dtype_name(variable.dtype)
         if key not in saved:
             missing.append((key, tuple(shape)))
         elif (saved[key]["shape"], saved[key]["dtype"]) != (shape, dtype):
@@ -347,15 +344,16 @@ def read_checkpoint(path, model, allow_partial=False):
             stacklevel=2,
         )
     try:
-        reader = tf.train.load_checkpoint(os.path.join(path, _VARIABLES))
-        values = [(key, variable, reader.get_tensor(key)) for key, variable in pairs]
-    except (tf.errors.OpError, ValueError) as error:
+        stored = checkpoint_variables.read(path, [key for key, _ in pairs])
+        values = [(key, variable, value) for (key, variable), value in zip(pairs, stored)]
+    except (OSError, ValueError) as error:
         raise DamagedCheckpointError(path, f"unreadable variables ({error})") from None
     bad = [key for key, _, value in values if not _all_finite(value)]
     if bad:
         raise DamagedCheckpointError(
             path, f"non-finite values (NaN or Inf) in {', '.join(bad[:5])}"
         )
+    _sync(model)  # else the towers' held weights would overwrite the restored ones
     for _, variable, value in values:
         variable.assign(value)
     return state

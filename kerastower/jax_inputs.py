@@ -80,19 +80,29 @@ class ArrayBatches:
             return np.arange(self.length)
         return np.random.default_rng([self._seed, pass_index]).permutation(self.length)
 
-    def one_pass(self, num_towers, pass_index=0):
-        """The steps of pass `pass_index`: each a list of per-tower batches
-        (one batch holding the rest, for a last step short of a whole one)."""
+    def one_pass(self, num_towers, pass_index=0, skip_steps=0):
+        """The steps of pass `pass_index`, from step `skip_steps` on.
+
+        Each is a list of per-tower batches (one batch holding the rest, for
+        a last step short of a whole one). A resumed pass replays the same
+        order from the seed, less the `skip_steps` steps taken before."""
         order = self._order(pass_index)
         whole = self.batch_size * num_towers
-        for start in range(0, self.length, whole):
+        for start in range(skip_steps * whole, self.length, whole):
             step = order[start:start + whole]
             if len(step) == whole:
                 yield [self._take(part) for part in np.split(step, num_towers)]
             else:
                 yield [self._take(step)]
 
-    def endless(self, num_towers, first_pass=0):
-        """Pass after pass, each reshuffled."""
-        return itertools.chain.from_iterable(
-            self.one_pass(num_towers, p) for p in itertools.count(first_pass))
+    def endless(self, num_towers, first_pass=0, skip_steps=0):
+        """Pass after pass, each reshuffled, less the first `skip_steps` steps of all."""
+        per_pass = self.steps(num_towers)
+        if per_pass == 0:
+            return iter(())
+        first_pass += skip_steps // per_pass
+        skip_steps %= per_pass
+        return itertools.chain(
+            self.one_pass(num_towers, first_pass, skip_steps),
+            itertools.chain.from_iterable(
+                self.one_pass(num_towers, p) for p in itertools.count(first_pass + 1)))

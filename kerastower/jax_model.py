@@ -234,20 +234,32 @@ class JaxFitSteps(FitSteps):
     """fit's iteration on JAX: one jitted tower step per batch of every tower."""
 
     def start(self, skip_batches, epoch_num):
-        if skip_batches is not None:
-            raise KerasTowerError(
-                "Resuming fit from a checkpoint is not supported on the JAX backend yet; "
-                "start again, or train with KERAS_BACKEND=tensorflow.")
+        """Opens the input, on a resume where the run was.
+
+        `skip_batches` (each tower's batches taken; on JAX every tower
+        counts the steps) are those of pass `epoch_num - 1` when an epoch is
+        one pass, else of the whole run. Arrays and PyDatasets replay their
+        pass's order from the seed and skip what was taken; a generator's
+        batches are read and dropped."""
         self.endless = bool(self.steps_per_epoch)
+        skip = max(skip_batches) if skip_batches else 0
+        self.resumed_pass = None
         if self.endless:
-            self.iterator = self.source.endless(self.model.num_towers)
+            self.iterator = self.source.endless(self.model.num_towers, skip_steps=skip)
+        elif skip:
+            self.resumed_pass = list(skip_batches)
 
     def before_epoch(self, loop):
         self.model.reset_metrics()
         self.loop = loop
         if not self.endless:
             loop.tower_batches = [0] * self.model.num_towers
-            self.iterator = self.source.one_pass(self.model.num_towers, loop.epoch_num - 1)
+            skip = 0
+            if self.resumed_pass is not None:
+                loop.tower_batches, self.resumed_pass = self.resumed_pass, None
+                skip = max(loop.tower_batches)
+            self.iterator = self.source.one_pass(
+                self.model.num_towers, loop.epoch_num - 1, skip_steps=skip)
 
     def run(self, num_steps):
         self.run_hooks.before_run()

@@ -221,16 +221,23 @@ class GeneratorBatches(_Batches):
             raise InputSourceError(f"The input ({self.kind}) is empty: it gave no batch.")
         return standardized(items[0], 0)
 
-    def one_pass(self, num_towers, pass_index=0):
-        """One pass's steps, each a list of per-tower batches."""
-        return deal(self._items(), num_towers)
+    def one_pass(self, num_towers, pass_index=0, skip_steps=0):
+        """One pass's steps, each a list of per-tower batches, from step `skip_steps` on.
 
-    def endless(self, num_towers, first_pass=0):
-        """Steps for fit with steps_per_epoch: a one-shot source once, to its
-        end; an iterable pass after pass (an empty pass ends it)."""
+        The steps before are read and dropped, so only a generator that
+        gives the same batches in every run resumes exactly."""
+        return itertools.islice(deal(self._items(), num_towers), skip_steps, None)
+
+    def endless(self, num_towers, first_pass=0, skip_steps=0):
+        """Steps for fit with steps_per_epoch, less the first `skip_steps`.
+
+        A one-shot source once, to its end; an iterable pass after pass (an
+        empty pass ends it). The skipped steps are read and dropped."""
         if self._one_shot:
-            return deal(self._items(), num_towers)
-        return self._passes(num_towers)
+            steps = deal(self._items(), num_towers)
+        else:
+            steps = self._passes(num_towers)
+        return itertools.islice(steps, skip_steps, None)
 
     def _passes(self, num_towers):
         while True:
@@ -299,10 +306,12 @@ class PyDatasetBatches(_Batches):
             return range(self.length)
         return np.random.default_rng([self._seed, pass_index]).permutation(self.length).tolist()
 
-    def _pass(self, pass_index):
+    def _pass(self, pass_index, skip=0):
         self._dataset.on_epoch_begin()
         last = -1 if self.never_ends else self.length - 1
         for position, index in enumerate(self._order(pass_index)):
+            if position < skip:  # taken before a resume: not read again
+                continue
             batch = self._read(index)
             if position == last:
                 self._dataset.on_epoch_end()
@@ -310,14 +319,23 @@ class PyDatasetBatches(_Batches):
         if self.length == 0:
             self._dataset.on_epoch_end()
 
-    def one_pass(self, num_towers, pass_index=0):
-        """One pass's steps: `on_epoch_begin()` before its first batch is
-        read, `on_epoch_end()` once its last one was."""
-        return deal(self._pass(pass_index), num_towers)
+    def one_pass(self, num_towers, pass_index=0, skip_steps=0):
+        """One pass's steps, from step `skip_steps` on (the batches before are not read).
 
-    def endless(self, num_towers, first_pass=0):
-        """Pass after pass, for fit with steps_per_epoch."""
+        `on_epoch_begin()` is called before its first batch is read,
+        `on_epoch_end()` once its last one was."""
+        skip = skip_steps * num_towers
+        return deal(self._pass(pass_index, skip), num_towers, first_number=skip)
+
+    def endless(self, num_towers, first_pass=0, skip_steps=0):
+        """Pass after pass, for fit with steps_per_epoch, less the first `skip_steps` steps."""
         if self.length == 0:
             return iter(())
-        return itertools.chain.from_iterable(
-            self.one_pass(num_towers, p) for p in itertools.count(first_pass))
+        if not self.never_ends:
+            per_pass = self.steps(num_towers)
+            first_pass += skip_steps // per_pass
+            skip_steps %= per_pass
+        return itertools.chain(
+            self.one_pass(num_towers, first_pass, skip_steps),
+            itertools.chain.from_iterable(
+                self.one_pass(num_towers, p) for p in itertools.count(first_pass + 1)))

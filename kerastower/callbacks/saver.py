@@ -23,11 +23,11 @@ import os
 import time
 import warnings
 
-from kerastower._tf import tf
 from kerastower import checkpoint
 from kerastower import checkpoint_files
 from kerastower.arguments import integer
 from kerastower.callbacks.base import Callback
+from kerastower.callbacks.write_guard import write_errors
 from kerastower.errors import KerasTowerError
 from kerastower.resume import ResumeState
 
@@ -117,7 +117,7 @@ class ModelSaver(Callback):
         except checkpoint.NonFiniteCheckpointError as error:
             warnings.warn(f"kerastower: ModelSaver: {error}", stacklevel=2)
             return
-        except (OSError, tf.errors.OpError) as error:
+        except write_errors() as error:
             # Training on without checkpoints would risk days of work: stop,
             # saying what is kept.
             raise KerasTowerError(
