@@ -33,6 +33,10 @@ class ArrayBatches:
     `(x, y, sample_weight)`; `x` may be a list or dict of arrays.
     """
 
+    # Reading batches ahead changes nothing: fit places the next step's
+    # while one runs.
+    read_ahead = True
+
     def __init__(self, x, y=None, sample_weight=None, batch_size=32, shuffle=False):
         if y is None and sample_weight is not None:
             raise InputSourceError(

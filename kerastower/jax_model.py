@@ -103,14 +103,16 @@ class TowerModel(keras.Model):
                 self, mesh, getattr(self, "tower_check_finite", True))
         return self._engines[len(devices)]
 
-    def run_towers(self, mode, batches):
+    def run_towers(self, mode, batches, placed=None):
         """One train, test or predict step on `batches` (one per tower, or
-        one holding a pass's last examples)."""
+        one holding a pass's last examples; `placed`: them on the devices)."""
         engine = self.engine(len(batches))
         for other in self._engines.values():
             if other is not engine:
                 other.sync()
                 other.reset_metrics()  # the model's metrics hold the last step's
+        if mode == "train":
+            return engine.train(batches, placed)
         return getattr(engine, mode)(batches)
 
     def jax_state_sync(self):
@@ -242,6 +244,7 @@ class JaxFitSteps(FitSteps):
         pass's order from the seed and skip what was taken; a generator's
         batches are read and dropped."""
         self.endless = bool(self.steps_per_epoch)
+        self._ahead = None
         skip = max(skip_batches) if skip_batches else 0
         self.resumed_pass = None
         if self.endless:
@@ -254,6 +257,7 @@ class JaxFitSteps(FitSteps):
         self.loop = loop
         if not self.endless:
             loop.tower_batches = [0] * self.model.num_towers
+            self._ahead = None  # a new pass, a new iterator
             skip = 0
             if self.resumed_pass is not None:
                 loop.tower_batches, self.resumed_pass = self.resumed_pass, None
@@ -265,10 +269,13 @@ class JaxFitSteps(FitSteps):
         self.run_hooks.before_run()
         ran = 0
         for _ in range(num_steps):
-            batches = next(self.iterator, None)
+            batches, placed = self._ahead or (next(self.iterator, None), None)
+            self._ahead = None
             if batches is None:
                 break
-            self.logs, bad_towers = self.model.run_towers("train", batches)
+            self.logs, finite = self.model.run_towers("train", batches, placed)
+            self._ahead = self._read_ahead()
+            bad_towers = jax_step.nonfinite_towers(finite)  # waits for the step
             if bad_towers is not None:
                 self.failure = (self.loop.global_step + ran + 1, bad_towers)
                 break
@@ -279,6 +286,19 @@ class JaxFitSteps(FitSteps):
             self._announce_total_batch(examples * (self.model.num_towers // len(examples)))
         self.run_hooks.after_run(self.logs)
         return ran, self.logs
+
+    # While a step runs, the next step's batches are read and put on the
+    # devices, from sources that reading ahead cannot change (arrays): a
+    # generator or PyDataset is read only when its batches are due.
+    _ahead = None
+
+    def _read_ahead(self):
+        if not getattr(self.source, "read_ahead", False):
+            return None
+        batches = next(self.iterator, None)
+        if batches is None:
+            return (None, None)
+        return batches, self.model.engine(len(batches)).place(batches)
 
     def epoch_logs(self, loop):
         self.model.jax_state_sync()  # epoch-end callbacks and validation read the weights

@@ -39,7 +39,7 @@ from kerastower.errors import DataMismatchError
 from kerastower.errors import TowerRuleError
 from kerastower.tower import TowerContext
 
-__all__ = ["AXIS", "tower_mesh", "place_tower_batches", "TowerSteps"]
+__all__ = ["AXIS", "tower_mesh", "place_tower_batches", "nonfinite_towers", "TowerSteps"]
 
 jax_sync.install()
 
@@ -137,6 +137,13 @@ def _all_finite(values):
     return jnp.all(jnp.stack(flags)) if flags else jnp.asarray(True)
 
 
+def nonfinite_towers(finite):
+    """The towers whose own gradients were not finite, from a train step's
+    flags (waiting for the step), or None when the step applied its update."""
+    finite = np.asarray(finite)
+    return None if finite.all() else np.flatnonzero(~finite).tolist()
+
+
 class TowerSteps:
     """The compiled train, test and predict steps of `model` on `mesh`'s
     towers, and the training state they carry between calls.
@@ -211,18 +218,22 @@ class TowerSteps:
 
     # -- the steps --------------------------------------------------------
 
-    def train(self, batches):
-        """One training step on one batch per tower; returns (logs, the
-        towers whose own gradients were not finite, or None when the step
-        applied its update)."""
-        data = place_tower_batches(self.mesh, batches)
+    def place(self, batches):
+        """Puts one batch per tower on the towers' devices; JAX copies in the
+        background, so placing the next step's batches overlaps this one."""
+        return place_tower_batches(self.mesh, batches)
+
+    def train(self, batches, placed=None):
+        """One training step on one batch per tower (`placed`: them, already
+        placed); returns (logs, each tower's finite flag, still on the
+        devices: `nonfinite_towers` reads it)."""
+        data = self.place(batches) if placed is None else placed
         function = self._function("train", self._train_body)
         state = (*self._current_state(), self._metric_state())
         self._held = None  # donated to the step
         (*held, metrics), logs, finite = function(state, data)
         self._held, self._tower_metrics = tuple(held), metrics
-        finite = np.asarray(finite)
-        return logs, (None if finite.all() else np.flatnonzero(~finite).tolist())
+        return logs, finite
 
     def test(self, batches):
         """One evaluation step on one batch per tower; returns the logs."""

@@ -1,0 +1,49 @@
+"""A step whose gradients hold NaN or Inf stops training on JAX as on
+TensorFlow: its update is not applied, and the error names the step and
+the tower (also while fit reads the next step's batches ahead)."""
+
+import keras
+import numpy as np
+import pytest
+
+import kerastower as kt
+
+
+def _model(check_finite=True):
+    with kt.distributed("mirrored", devices=[0, 1]):
+        inputs = keras.Input((3,))
+        model = kt.TowerModel(inputs, keras.layers.Dense(1)(inputs))
+        model.compile(optimizer=keras.optimizers.SGD(0.1), loss="mse", check_finite=check_finite)
+    return model
+
+
+def _data():
+    x = np.random.default_rng(0).normal(size=(32, 3)).astype("float32")
+    y = x.sum(axis=1, keepdims=True)
+    x_bad = x.copy()
+    x_bad[13] = np.inf  # step 2 (examples 8-15), tower 1 (examples 12-15)
+    return x, y, x_bad
+
+
+def test_a_nonfinite_step_stops_training_with_the_weights_of_the_step_before():
+    x, y, x_bad = _data()
+    model = _model()
+    start = [w.copy() for w in model.get_weights()]
+    with pytest.raises(kt.NonFiniteError) as caught:
+        model.fit(x_bad, y, batch_size=4, shuffle=False, verbose=0)
+    assert caught.value.global_step == 2 and caught.value.towers == [1]
+    assert model.loop.global_step == 1
+    reference = _model()
+    reference.set_weights(start)
+    reference.fit(x[:8], y[:8], batch_size=4, shuffle=False, verbose=0)
+    for got, want in zip(model.get_weights(), reference.get_weights()):
+        np.testing.assert_allclose(got, want, atol=1e-6)
+        assert np.isfinite(got).all()
+
+
+def test_check_finite_false_applies_the_step():
+    x, y, x_bad = _data()
+    model = _model(check_finite=False)
+    model.fit(x_bad, y, batch_size=4, shuffle=False, verbose=0)
+    assert model.loop.global_step == 4
+    assert not np.isfinite(model.get_weights()[0]).all()
