@@ -59,13 +59,24 @@ class ArrayInput(DatasetInput):
     deals_out = True
 
     def _tower_share(self, ctx, skip):
-        return self._make_dataset(lambda batches: batches.skip(skip).shard(ctx.total, ctx.index))
+        # One index stream per tower, kept: its reshuffling moves on once
+        # per pass (per iterator), so a resumed pass's copy, made later,
+        # goes on with the order of the pass it resumes, as the shared
+        # pipeline does.
+        key = (ctx.index, ctx.total, self._seed)
+        if key not in self._tower_streams:
+            self._tower_streams[key] = self._index_batches()
+        return self._gathered(self._tower_streams[key].skip(skip).shard(ctx.total, ctx.index))
 
-    def _make_dataset(self, deal=None):
+    def _make_dataset(self):
+        self._tower_streams = {}
+        return self._gathered(self._index_batches())
+
+    def _index_batches(self):
         # Batches of example indices, shuffled as the examples would be (a
         # shuffle's order depends on its seed and size only), then one
-        # gather per batch: far cheaper than slicing every example and
-        # batching them one by one. `deal` picks one tower's index batches.
+        # gather per batch (`_gathered`): far cheaper than slicing every
+        # example and batching them one by one.
         indices = tf.data.Dataset.range(self._length)
         if self._shuffle:
             indices = indices.shuffle(self._length, seed=self._seed, reshuffle_each_iteration=True)
@@ -77,8 +88,9 @@ class ArrayInput(DatasetInput):
             indices = indices.batch(self.batch_size, drop_remainder=whole).repeat()
         else:
             indices = indices.batch(self.batch_size)
-        if deal is not None:
-            indices = deal(indices)
+        return indices
+
+    def _gathered(self, indices):
         arrays = tf.data.Dataset.from_tensors(self._element).repeat()
         return tf.data.Dataset.zip((indices, arrays)).map(
             lambda batch, element: tf.nest.map_structure(lambda a: tf.gather(a, batch), element),
