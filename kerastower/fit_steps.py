@@ -137,12 +137,7 @@ class FitSteps(Iteration):
             )
 
     def epoch_logs(self, loop):
-        logs = dict(self.logs)
-        if self.logs and not self.model.tower_strategy.single_process:
-            # The steps gave this process's metrics; the epoch's are all towers'.
-            from kerastower.engine import tf_step  # several processes: TensorFlow only
-
-            logs = dict(tf_step.logs_across_towers(self.model))
+        logs = self._logs_of_every_tower()
         validation = self.validation
         if validation is not None and _due(loop.epoch_num - 1, validation["freq"]):
             values = self.model.evaluate(
@@ -153,6 +148,15 @@ class FitSteps(Iteration):
                 _from_fit=True,
             )
             logs.update({f"val_{k}": v for k, v in values.items()})
+        return logs
+
+    def _logs_of_every_tower(self):
+        logs = dict(self.logs)
+        if self.logs and not self.model.tower_strategy.single_process:
+            # The steps gave this process's metrics; the epoch's are all towers'.
+            from kerastower.engine import tf_step  # TensorFlow's engine
+
+            logs = dict(tf_step.logs_across_towers(self.model))
         return logs
 
     def finish(self):

@@ -63,7 +63,7 @@ class ArrayBatches:
         self._shuffle = shuffle
         # From numpy's generator, which keras.utils.set_random_seed seeds:
         # every pass's order is replayable.
-        self._seed = int(np.random.randint(2**31 - 1)) if shuffle else None
+        self.shuffle_seed = int(np.random.randint(2**31 - 1)) if shuffle else None
 
     def check_finite(self, method, argument=None):
         """Arrays always end: nothing to check."""
@@ -82,7 +82,7 @@ class ArrayBatches:
     def _order(self, pass_index):
         if not self._shuffle:
             return np.arange(self.length)
-        return np.random.default_rng([self._seed, pass_index]).permutation(self.length)
+        return np.random.default_rng([self.shuffle_seed, pass_index]).permutation(self.length)
 
     def one_pass(self, num_towers, pass_index=0, skip_steps=0):
         """The steps of pass `pass_index`, from step `skip_steps` on.

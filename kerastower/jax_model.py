@@ -96,7 +96,7 @@ class TowerModel(keras.Model):
 
     def engine(self, num_towers=None):
         """The `jax_step.TowerSteps` of the first `num_towers` towers (all by default)."""
-        devices = self._tower_strategy.devices[:num_towers]
+        devices = self._tower_strategy.step_devices(num_towers or self.num_towers)
         if len(devices) not in self._engines:
             mesh = jax_step.tower_mesh(devices)
             self._engines[len(devices)] = jax_step.TowerSteps(
@@ -132,7 +132,10 @@ class TowerModel(keras.Model):
 
     def _batches(self, x, y, sample_weight, batch_size, shuffle=False):
         """numpy arrays, a generator or a PyDataset as per-tower batches (jax_sources.py)."""
-        return jax_sources.tower_batches(x, y, sample_weight, batch_size, shuffle)
+        source = jax_sources.tower_batches(x, y, sample_weight, batch_size, shuffle)
+        if getattr(source, "shuffle_seed", None) is not None:
+            source.shuffle_seed = self._tower_strategy.agree_on_seed(source.shuffle_seed)
+        return source
 
     def _build_from(self, batches):
         """Builds the model, its loss and metrics from the source's first
@@ -303,6 +306,9 @@ class JaxFitSteps(FitSteps):
     def epoch_logs(self, loop):
         self.model.jax_state_sync()  # epoch-end callbacks and validation read the weights
         return super().epoch_logs(loop)
+
+    def _logs_of_every_tower(self):
+        return dict(self.logs)  # the step's logs are every process's towers' already
 
     def ended_early(self, loop, step):
         if self.failure is None and self.steps_per_epoch:

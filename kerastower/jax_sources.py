@@ -278,7 +278,7 @@ class PyDatasetBatches(_Batches):
         self.length = dataset.num_batches
         self.never_ends = self.length is None
         self._shuffle = shuffle
-        self._seed = int(np.random.randint(2**31 - 1)) if shuffle else None
+        self.shuffle_seed = int(np.random.randint(2**31 - 1)) if shuffle else None
         self._first = None  # batch 0, once first_batch read it
 
     def steps(self, num_towers):
@@ -304,7 +304,7 @@ class PyDatasetBatches(_Batches):
             return itertools.count()
         if not self._shuffle:
             return range(self.length)
-        return np.random.default_rng([self._seed, pass_index]).permutation(self.length).tolist()
+        return np.random.default_rng([self.shuffle_seed, pass_index]).permutation(self.length).tolist()
 
     def _pass(self, pass_index, skip=0):
         self._dataset.on_epoch_begin()

@@ -22,7 +22,7 @@ from kerastower.errors import StrategyError
 
 __all__ = ["JaxTowerStrategy", "make", "default", "NAMES"]
 
-NAMES = ("single", "mirrored")
+NAMES = ("single", "mirrored", "multihost")
 _TENSORFLOW_ONLY = {
     "horovod": "Horovod's TensorFlow binding",
     "multiworker": "tf.distribute.MultiWorkerMirroredStrategy",
@@ -62,6 +62,15 @@ class JaxTowerStrategy:
     def seed_towers_apart(self, model):
         """Nothing to do: each step moves tower i's seeds by i (jax_step)."""
 
+    def step_devices(self, num_towers):
+        """The devices of a step on `num_towers` towers: the first ones (a
+        pass's short last step runs on fewer)."""
+        return self.devices[:num_towers]
+
+    def agree_on_seed(self, seed):
+        """The shuffling seed every process uses: here, `seed`."""
+        return seed
+
     def __repr__(self):
         return f"JaxTowerStrategy({self.name!r}, towers={self.num_towers})"
 
@@ -95,8 +104,8 @@ def make(name, devices=None):
     if name in _TENSORFLOW_ONLY:
         raise StrategyError(
             f'kt.distributed({name!r}) needs {_TENSORFLOW_ONLY[name]}, which the JAX '
-            'backend does not have. On JAX use "mirrored" (every local device; for '
-            "several hosts, jax.distributed is the way), or run with "
+            'backend does not have. On JAX use "mirrored" (every local device) or '
+            '"multihost" (every device of every process, on jax.distributed), or run with '
             "KERAS_BACKEND=tensorflow."
         )
     if name not in NAMES:
@@ -104,6 +113,10 @@ def make(name, devices=None):
             f"Unknown strategy {name!r} on the JAX backend. Valid names: "
             + ", ".join(repr(n) for n in NAMES) + "."
         )
+    if name == "multihost":
+        from kerastower import jax_multihost  # starts jax.distributed
+
+        return jax_multihost.MultiHostStrategy(devices)
     chosen = _devices(devices, name)
     if name == "single" and len(chosen) != 1:
         raise StrategyError(

@@ -14,6 +14,7 @@ import kerastower as kt
 from kerastower import jax_inputs
 from kerastower import jax_model
 from kerastower import jax_strategies
+from kerastower.engine import jax_placement
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -108,7 +109,7 @@ def test_the_jax_page_and_docstrings_run(tmp_path, monkeypatch):
     assert blocks
     for block in blocks:
         exec(compile(block, "docs/jax.md", "exec"), {"__name__": "docs_jax"})
-    for module in (jax_model, jax_inputs, jax_strategies):
+    for module in (jax_model, jax_inputs, jax_strategies, jax_placement):
         for test in doctest.DocTestFinder().find(module):
             if test.examples:
                 result = doctest.DocTestRunner().run(test)

@@ -3,7 +3,8 @@
 One step of N towers, as `tf_step.py` does it on TensorFlow:
 
 1. each tower's batch is put on its own device, and the N batches become one
-   array sharded over the towers (`place_tower_batches`): no host-side join;
+   array sharded over the towers (`place_tower_batches` in jax_placement.py):
+   no host-side join;
 2. in one `jax.jit`, `shard_map` runs on every device the branch of that
    device's tower (`lax.switch` over the towers): the model's own
    `train_step(state, data)` traced under a TowerContext whose index is a
@@ -29,51 +30,24 @@ import jax
 import jax.numpy as jnp
 import keras
 import numpy as np
-from jax.sharding import Mesh
 from jax.sharding import NamedSharding
-from jax.sharding import PartitionSpec
 
 from kerastower import _compat
 from kerastower.engine import jax_sync
-from kerastower.errors import DataMismatchError
+from kerastower.engine.jax_placement import AXIS
+from kerastower.engine.jax_placement import BY_TOWER
+from kerastower.engine.jax_placement import REPLICATED
+from kerastower.engine.jax_placement import local_value
+from kerastower.engine.jax_placement import place_tower_batches
+from kerastower.engine.jax_placement import spans_processes
+from kerastower.engine.jax_placement import tower_mesh
 from kerastower.errors import TowerRuleError
 from kerastower.tower import TowerContext
 
-__all__ = ["AXIS", "tower_mesh", "place_tower_batches", "nonfinite_towers", "TowerSteps"]
+__all__ = ["AXIS", "tower_mesh", "place_tower_batches", "spans_processes", "local_value",
+           "nonfinite_towers", "TowerSteps"]
 
 jax_sync.install()
-
-AXIS = "towers"
-_REPLICATED = PartitionSpec()
-_BY_TOWER = PartitionSpec(AXIS)
-
-
-def tower_mesh(devices):
-    """A one-axis mesh with one tower per device, in tower order."""
-    return Mesh(np.array(devices, dtype=object), (AXIS,))
-
-
-def place_tower_batches(mesh, batches):
-    """One array per leaf, sharded over the towers, from one batch per tower:
-    tower i's batch is put on device i as it is."""
-    devices = list(mesh.devices.flat)
-    shapes = [[np.shape(leaf) for leaf in jax.tree.leaves(batch)] for batch in batches]
-    if any(shape != shapes[0] for shape in shapes):
-        raise DataMismatchError(
-            f"On the JAX backend the towers of one step need batches of one shape "
-            f"(one sharded array); got {shapes}. Give every tower the same batch "
-            "size, or train on one device."
-        )
-    sharding = NamedSharding(mesh, _BY_TOWER)
-
-    def join(*leaves):
-        parts = [jax.device_put(leaf, device) for leaf, device in zip(leaves, devices)]
-        first = np.shape(leaves[0])
-        return jax.make_array_from_single_device_arrays(
-            (first[0] * len(leaves),) + tuple(first[1:]), sharding, parts)
-
-    return jax.tree.map(join, *batches)
-
 
 class _TakenGradients:
     def __init__(self):
@@ -160,17 +134,20 @@ class TowerSteps:
         self.check_finite = check_finite
         self._functions = {}
         self._tower_metrics = None
+        self._summed_metrics = None  # their sum over the towers, replicated
         self._held = None
+        self._spans = spans_processes(mesh)
 
     # -- state ------------------------------------------------------------
 
     def _replicated(self, values):
-        sharding = NamedSharding(self.mesh, _REPLICATED)
-        return [jax.device_put(v, sharding) for v in values]
+        sharding = NamedSharding(self.mesh, REPLICATED)
+        # Across processes, every process puts its own copy of the same value.
+        return [jax.device_put(np.asarray(v) if self._spans else v, sharding) for v in values]
 
     def reset_metrics(self):
         """Every tower's metric variables start again from the model's."""
-        self._tower_metrics = None
+        self._tower_metrics = self._summed_metrics = None
 
     def _metric_state(self):
         if self._tower_metrics is None:
@@ -180,13 +157,15 @@ class TowerSteps:
                 np.stack([np.asarray(v.value)] + [np.zeros(v.shape, v.dtype)] * (self.num_towers - 1))
                 for v in self.model.metrics_variables
             ]
-            sharding = NamedSharding(self.mesh, _BY_TOWER)
+            sharding = NamedSharding(self.mesh, BY_TOWER)
             self._tower_metrics = [jax.device_put(v, sharding) for v in stacked]
         return self._tower_metrics
 
     def _write_back(self, variables, values):
+        # Only this process's copies: a sync needs no other process, so a
+        # callback of the chief alone may trigger it.
         for variable, value in zip(variables, values):
-            variable.assign(value)
+            variable.assign(local_value(value))
 
     # The weights stay on the towers' devices from step to step, and reach
     # the model's variables only when something reads them (`sync`, which
@@ -212,9 +191,8 @@ class TowerSteps:
             for variables, values in zip(self._variable_lists(), self._held):
                 self._write_back(variables, values)
             self._held = None
-        if self._tower_metrics is not None:
-            self._write_back(self.model.metrics_variables,
-                             [m.sum(axis=0) for m in self._tower_metrics])
+        if self._summed_metrics is not None:
+            self._write_back(self.model.metrics_variables, self._summed_metrics)
 
     # -- the steps --------------------------------------------------------
 
@@ -231,7 +209,7 @@ class TowerSteps:
         function = self._function("train", self._train_body)
         state = (*self._current_state(), self._metric_state())
         self._held = None  # donated to the step
-        (*held, metrics), logs, finite = function(state, data)
+        (*held, metrics), self._summed_metrics, logs, finite = function(state, data)
         self._held, self._tower_metrics = tuple(held), metrics
         return logs, finite
 
@@ -240,9 +218,9 @@ class TowerSteps:
         model = self.model
         state = (*self._current_state()[:2], self._metric_state())
         function = self._function("test", self._test_body)
-        metrics, logs = function(state, place_tower_batches(self.mesh, batches))
+        metrics, self._summed_metrics, logs = function(state, place_tower_batches(self.mesh, batches))
         self._tower_metrics = metrics
-        self._write_back(model.metrics_variables, [m.sum(axis=0) for m in metrics])
+        self._write_back(model.metrics_variables, self._summed_metrics)
         return logs
 
     def predict(self, batches):
@@ -254,10 +232,10 @@ class TowerSteps:
     def _function(self, mode, body):
         if mode not in self._functions:
             specs = {
-                "train": ((_REPLICATED,) * 3 + (_BY_TOWER, _BY_TOWER),
-                          (_REPLICATED,) * 3 + (_BY_TOWER, _BY_TOWER)),
-                "test": ((_REPLICATED,) * 2 + (_BY_TOWER, _BY_TOWER), _BY_TOWER),
-                "predict": ((_REPLICATED,) * 2 + (_BY_TOWER,), _BY_TOWER),
+                "train": ((REPLICATED,) * 3 + (BY_TOWER, BY_TOWER),
+                          (REPLICATED,) * 3 + (BY_TOWER, BY_TOWER)),
+                "test": ((REPLICATED,) * 2 + (BY_TOWER, BY_TOWER), BY_TOWER),
+                "predict": ((REPLICATED,) * 2 + (BY_TOWER,), BY_TOWER),
             }[mode]
             sharded = jax.shard_map(body, mesh=self.mesh, in_specs=specs[0], out_specs=specs[1])
             self._functions[mode] = jax.jit(
@@ -266,19 +244,26 @@ class TowerSteps:
 
     def _run(self, mode, sharded, state, data):
         if mode == "predict":
-            return sharded(*state, data)
+            outputs = sharded(*state, data)
+            # Every process returns every tower's outputs, in tower order.
+            return self._on_every_tower(outputs) if self._spans else outputs
         if mode == "test":
             metrics = sharded(*state, data)
-            return metrics, self._logs(metrics)
+            return (metrics, *self._logs(metrics))
         *new_state, finite = sharded(*state, data)
-        return tuple(new_state), self._logs(new_state[3]), finite
+        return (tuple(new_state), *self._logs(new_state[3]), self._on_every_tower(finite))
+
+    def _on_every_tower(self, values):
+        """`values`, gathered so that every device (every process) holds all."""
+        replicated = NamedSharding(self.mesh, REPLICATED)
+        return jax.tree.map(lambda v: jax.lax.with_sharding_constraint(v, replicated), values)
 
     def _logs(self, tower_metrics):
-        """The model's metrics from every tower's metric variables summed
-        (totals and counts): example-weighted over towers."""
-        summed = [m.sum(axis=0) for m in tower_metrics]
+        """(every tower's metric variables summed, the model's metrics from
+        those sums): totals and counts, so example-weighted over towers."""
+        summed = self._on_every_tower([m.sum(axis=0) for m in tower_metrics])
         with keras.StatelessScope(state_mapping=list(zip(self.model.metrics_variables, summed))):
-            return self.model.get_metrics_result()
+            return summed, self._on_every_tower(self.model.get_metrics_result())
 
     def _switch(self, branch, *args):
         """`branch(index, *args)` for this device's tower, traced once per tower.
