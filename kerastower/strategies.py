@@ -331,10 +331,13 @@ class distributed:
 
     def __init__(self, name="mirrored", devices=None):
         if name not in _REGISTRY and not _on_jax():  # jax_strategies knows its own
+            hint = (' "multihost" is the JAX backend\'s (KERAS_BACKEND=jax); on TensorFlow, '
+                    'several processes run under "multiworker" or "horovod".'
+                    if name == "multihost" else "")
             raise StrategyError(
                 f"Unknown strategy {name!r}. Valid names: "
                 + ", ".join(repr(n) for n in strategy_names())
-                + "."
+                + "." + hint
             )
         parsed = None if _on_jax() else parse_devices(devices, name)
         self.name = name

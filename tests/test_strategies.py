@@ -18,6 +18,11 @@ def test_unknown_strategy_name_lists_the_valid_ones():
         assert name in message
 
 
+def test_the_jax_multihost_name_on_tensorflow_points_to_multiworker():
+    with pytest.raises(kt.StrategyError, match='JAX backend.*"multiworker" or "horovod"'):
+        kt.distributed("multihost")
+
+
 def test_decorator_and_context_manager_are_the_same_object():
     switch = kt.distributed("mirrored", devices=TWO)
 

@@ -113,7 +113,10 @@ def _all_finite(values):
 
 def nonfinite_towers(finite):
     """The towers whose own gradients were not finite, from a train step's
-    flags (waiting for the step), or None when the step applied its update."""
+    flags (waiting for the step), or None when the step applied its update
+    (or nothing was checked: `finite` is None, and nothing waits)."""
+    if finite is None:
+        return None
     finite = np.asarray(finite)
     return None if finite.all() else np.flatnonzero(~finite).tolist()
 
@@ -211,7 +214,9 @@ class TowerSteps:
         self._held = None  # donated to the step
         (*held, metrics), self._summed_metrics, logs, finite = function(state, data)
         self._held, self._tower_metrics = tuple(held), metrics
-        return logs, finite
+        # Unchecked, nothing waits for the step: the next one is dispatched
+        # while it runs.
+        return logs, (finite if self.check_finite else None)
 
     def test(self, batches):
         """One evaluation step on one batch per tower; returns the logs."""
