@@ -242,7 +242,8 @@ class TowerSteps:
                 "test": ((REPLICATED,) * 2 + (BY_TOWER, BY_TOWER), BY_TOWER),
                 "predict": ((REPLICATED,) * 2 + (BY_TOWER,), BY_TOWER),
             }[mode]
-            sharded = jax.shard_map(body, mesh=self.mesh, in_specs=specs[0], out_specs=specs[1])
+            sharded = (body if self.num_towers == 1 else
+                       jax.shard_map(body, mesh=self.mesh, in_specs=specs[0], out_specs=specs[1]))
             self._functions[mode] = jax.jit(
                 functools.partial(self._run, mode, sharded), donate_argnums=0 if mode == "train" else ())
         return self._functions[mode]
@@ -289,6 +290,8 @@ class TowerSteps:
         replicated. One tower too, whose values computed from its batch
         vary over the axis.
         """
+        if self.num_towers == 1:
+            return list(values)
         first = jax.lax.axis_index(AXIS) == 0
 
         def take(v):
@@ -331,18 +334,32 @@ class TowerSteps:
         # of replicated weights would come out summed over the towers.
         gradients, non_trainable, metrics = self._switch(
             tower, _per_tower(trainable, self.num_towers), non_trainable, optimizer_vars, metrics, data)
-        tower_finite = _all_finite(gradients)
         if self.num_towers > 1:
+            tower_finite = _all_finite(gradients)
             gradients = [jax.lax.pmean(g, AXIS) for g in gradients]
-        new_trainable, new_optimizer = model.optimizer.stateless_apply(
-            optimizer_vars, gradients, trainable)
-        finite = _all_finite(gradients)
+
+        def apply():
+            return tuple(map(list, model.optimizer.stateless_apply(
+                optimizer_vars, gradients, trainable)))
+
         if self.check_finite:
-            new_trainable = [jnp.where(finite, n, o) for n, o in zip(new_trainable, trainable)]
-            new_optimizer = [jnp.where(finite, n, o) for n, o in zip(new_optimizer, optimizer_vars)]
-        flags = jnp.logical_or(tower_finite, not self.check_finite)
+            finite = _all_finite(gradients)
+            # A cond, not a select of the new values: a skipped update costs
+            # nothing and an applied one no extra pass over the weights.
+            new_trainable, new_optimizer = jax.lax.cond(
+                finite, apply, lambda: (list(trainable), list(optimizer_vars)))
+            flags = finite if self.num_towers == 1 else self._towers_to_blame(tower_finite, finite)
+        else:
+            new_trainable, new_optimizer = apply()
+            flags = jnp.asarray(True)
         return (list(new_trainable), self._from_tower_0(non_trainable), list(new_optimizer),
                 [m[None] for m in metrics], flags[None])
+
+    def _towers_to_blame(self, tower_finite, finite):
+        """Each tower's flag: its own gradients' finiteness; every tower's
+        when only their mean overflowed."""
+        any_bad = jax.lax.psum(jnp.logical_not(tower_finite).astype(jnp.int32), AXIS) > 0
+        return jnp.logical_and(tower_finite, jnp.logical_or(finite, any_bad))
 
     def _test_body(self, trainable, non_trainable, tower_metrics, data):
         model = self.model
