@@ -52,16 +52,21 @@ def place_tower_batches(mesh, batches):
             "size, or train on one device."
         )
     sharding = NamedSharding(mesh, BY_TOWER)
+    if mesh.size == 1:
+        return jax.device_put(batches[0], sharding)
     towers = [(device, batch) for device, batch in zip(mesh.devices.flat, batches)
               if device.process_index == jax.process_index()]
+    # One device_put for every leaf of every tower: one dispatch, not one each.
+    leaves = [jax.tree.leaves(batch) for _, batch in towers]
+    placed = jax.device_put(leaves, [[device] * len(row) for (device, _), row in zip(towers, leaves)])
 
-    def join(*leaves):
-        parts = [jax.device_put(leaf, device) for leaf, (device, _) in zip(leaves, towers)]
-        first = np.shape(leaves[0])
+    def join(index, leaf):
+        first = np.shape(leaf)
         return jax.make_array_from_single_device_arrays(
-            (first[0] * mesh.size,) + tuple(first[1:]), sharding, parts)
+            (first[0] * mesh.size,) + tuple(first[1:]), sharding, [row[index] for row in placed])
 
-    return jax.tree.map(join, *[batch for _, batch in towers])
+    structure = jax.tree.structure(towers[0][1])
+    return jax.tree.unflatten(structure, [join(i, leaf) for i, leaf in enumerate(leaves[0])])
 
 
 def local_value(value):
