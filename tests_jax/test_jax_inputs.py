@@ -16,6 +16,7 @@ import pytest
 import tensorflow as tf
 
 import kerastower as kt
+from jax_helpers import TowerRecorder
 from kerastower import jax_sources
 
 B = 8
@@ -184,20 +185,6 @@ def test_an_endless_source_needs_steps(make):
     with pytest.raises(kt.InputSourceError, match="never ends.*steps="):
         model.predict(make(), verbose=0)
     assert model.loop.global_step == 0
-
-
-class TowerRecorder(keras.layers.Layer):
-    """Identity; notes each tower context it is traced under."""
-
-    def __init__(self, **kwargs):
-        super().__init__(**kwargs)
-        self.contexts = []
-
-    def call(self, x):
-        ctx = kt.get_current_tower_context()
-        if ctx is not None:
-            self.contexts.append((ctx.index, ctx.total, ctx.name, x.shape[0]))
-        return x
 
 
 def test_each_tower_takes_a_whole_batch_of_its_own_and_a_short_step_runs_on_fewer():

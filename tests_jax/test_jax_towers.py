@@ -15,22 +15,9 @@ from kerastower import jax_inputs
 from kerastower import jax_model
 from kerastower import jax_strategies
 from kerastower.engine import jax_placement
+from jax_helpers import TowerRecorder
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-
-
-class TowerRecorder(keras.layers.Layer):
-    """Identity; notes each tower context it is traced under."""
-
-    def __init__(self, **kwargs):
-        super().__init__(**kwargs)
-        self.contexts = []
-
-    def call(self, x):
-        ctx = kt.get_current_tower_context()
-        if ctx is not None:
-            self.contexts.append((ctx.index, ctx.total, ctx.name, x.shape[0]))
-        return x
 
 
 def _model(recorder=None, devices=(0, 1)):
