@@ -18,7 +18,7 @@ import threading
 import jax
 import jax.numpy as jnp
 
-from kerastower.engine import jax_compat
+from kerastower._compat import on_jax as jax_compat
 
 __all__ = ["synchronized_over", "moments", "install"]
 

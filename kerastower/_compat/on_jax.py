@@ -1,9 +1,4 @@
-"""Every private Keras API the JAX engine uses, in one place.
-
-As `kerastower/_compat.py` does for TensorFlow: each one is looked up when
-needed, and a missing one raises a `KerasTowerError` naming it and the
-installed versions, never a silent fallback. This module imports neither
-TensorFlow nor `kerastower._compat`.
+"""The private Keras APIs of the JAX engine (see the package's docstring).
 
 Keras 3 refuses `BatchNormalization(synchronized=True)` on JAX (its
 constructor raises, and `keras.src.backend.jax.nn.moments` raises for
@@ -16,35 +11,22 @@ import functools
 import importlib
 import inspect
 
-import jax
 import keras
 
-from kerastower.errors import KerasTowerError
+from kerastower._compat import _missing
+from kerastower._compat import _patch
+from kerastower._compat import require
 
-__all__ = ["TESTED", "require_function", "install_synchronized_batchnorm"]
-
-TESTED = "Keras 3.15.1 with JAX 0.10.2 (Keras 3.10.0's source has the same hooks)"
+__all__ = ["require_function", "install_synchronized_batchnorm"]
 
 _MOMENTS = ("keras.src.backend.jax.nn", "moments")
 _BATCHNORM = ("keras.src.layers.normalization.batch_normalization", "BatchNormalization")
 
 
-def _missing(what, error=None):
-    detail = f" ({type(error).__name__}: {error})" if error is not None else ""
-    return KerasTowerError(
-        f"kerastower's JAX engine needs {what}, which this installation does not have"
-        f"{detail}. Installed: Keras {keras.__version__}, JAX {jax.__version__}; "
-        f"kerastower is tested with {TESTED}. Install a tested pair, e.g. "
-        "pip install 'keras==3.15.*' 'jax==0.10.*'."
-    )
-
-
 def require_function(module_name, attribute):
-    """`module_name.attribute`, or a KerasTowerError naming it and the versions."""
-    try:
-        found = getattr(importlib.import_module(module_name), attribute)
-    except (ImportError, AttributeError) as error:
-        raise _missing(f"{module_name}.{attribute}", error) from None
+    """`module_name.attribute` as a function or class, or a KerasTowerError
+    naming it and the versions."""
+    found = require(module_name, attribute)
     if not callable(found):
         raise _missing(f"{module_name}.{attribute} as a function or class")
     return found
@@ -55,15 +37,6 @@ def _parameter(function, name, what):
     if name not in parameters:
         raise _missing(f"{what} with a `{name}` argument")
     return parameters[name]
-
-
-def _patched(owner, name, make_replacement):
-    original = getattr(owner, name)
-    if getattr(original, "_kerastower_original", None) is not None:
-        return
-    replacement = functools.update_wrapper(make_replacement(original), original)
-    replacement._kerastower_original = original
-    setattr(owner, name, replacement)
 
 
 def install_synchronized_batchnorm(synchronized_moments):
@@ -105,5 +78,5 @@ def install_synchronized_batchnorm(synchronized_moments):
         __init__.__signature__ = signature
         return __init__
 
-    _patched(module, _MOMENTS[1], routed)
-    _patched(batchnorm, "__init__", accepting_synchronized)
+    _patch(module, _MOMENTS[1], routed)
+    _patch(batchnorm, "__init__", accepting_synchronized)

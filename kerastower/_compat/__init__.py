@@ -1,9 +1,10 @@
-"""Every private Keras / TensorFlow API kerastower uses, in one place.
+"""Every private Keras / TensorFlow / JAX-backend API kerastower uses, in one place.
 
 Each one is looked up when first needed; a missing one raises a
 `KerasTowerError` naming it and the installed versions, never a silent
-fallback. Nothing outside this module imports `keras.src` or reaches for a
-private attribute of a Keras or TensorFlow object.
+fallback. Nothing outside this package imports `keras.src` or reaches for a
+private attribute of a Keras or TensorFlow object. This module holds what
+both backends and TensorFlow use; `on_jax.py` the JAX engine's hooks.
 
 `TESTED` says which versions were tried; pyproject.toml allows the range.
 """
@@ -22,9 +23,18 @@ __all__ = ["TESTED", "require", "install_tower_patches"]
 # The pairs CI runs: the newest (all tests) and the oldest pyproject.toml
 # allows (scripts/test-oldest.sh: the equivalence tests).
 TESTED = "Keras 3.15.1 with TensorFlow 2.21, and Keras 3.10.0 with TensorFlow 2.16.2"
+TESTED_ON_JAX = "Keras 3.15.1 with JAX 0.10.2 (Keras 3.10.0's source has the same hooks)"
+
+
+def _on_jax():
+    return keras.backend.backend() == "jax"
 
 
 def _versions():
+    if _on_jax():
+        import jax  # the backend in use: imported already
+
+        return f"Keras {keras.__version__}, JAX {jax.__version__}"
     if keras.backend.backend() != "tensorflow":
         return f"Keras {keras.__version__} on {keras.backend.backend()}"
     return f"Keras {keras.__version__}, TensorFlow {tf.__version__}"
@@ -32,10 +42,12 @@ def _versions():
 
 def _missing(what, error=None):
     detail = f" ({type(error).__name__}: {error})" if error is not None else ""
+    tested, pair = ((TESTED_ON_JAX, "'keras==3.15.*' 'jax==0.10.*'") if _on_jax()
+                    else (TESTED, "'tensorflow==2.21.*' 'keras==3.15.*'"))
     return KerasTowerError(
         f"kerastower needs {what}, which this installation does not have{detail}. "
-        f"Installed: {_versions()}; kerastower is tested with {TESTED}. Install a "
-        "tested pair, e.g. pip install 'tensorflow==2.21.*' 'keras==3.15.*'."
+        f"Installed: {_versions()}; kerastower is tested with {tested}. Install a "
+        f"tested pair, e.g. pip install {pair}."
     )
 
 
