@@ -17,7 +17,9 @@ Examples:
     [[0.0, 1.0], [2.0, 3.0], [4.0]]
 """
 
+import collections
 import collections.abc
+import concurrent.futures
 import itertools
 import operator
 
@@ -29,7 +31,7 @@ from kerastower.errors import DataMismatchError
 from kerastower.errors import InputSourceError
 from kerastower.jax_inputs import ArrayBatches
 
-__all__ = ["GeneratorBatches", "PyDatasetBatches", "tower_batches", "is_batched"]
+__all__ = ["GeneratorBatches", "PyDatasetBatches", "tower_batches", "is_batched", "read_ahead"]
 
 
 def is_batched(x):
@@ -249,9 +251,34 @@ class GeneratorBatches(_Batches):
                 return
 
 
+def read_ahead(read, indices, workers, window):
+    """`read(i)` for each of `indices`, in order, by `workers` threads that
+    keep up to `window` batches read ahead (as Keras reads a PyDataset).
+
+    Examples:
+        >>> list(read_ahead(lambda i: i * i, range(5), workers=2, window=3))
+        [0, 1, 4, 9, 16]
+    """
+    pending = collections.deque()
+    indices = iter(indices)
+    with concurrent.futures.ThreadPoolExecutor(workers, thread_name_prefix="kt-pydataset") as pool:
+        try:
+            for index in itertools.islice(indices, window):
+                pending.append(pool.submit(read, index))
+            while pending:
+                batch = pending.popleft().result()
+                for index in itertools.islice(indices, 1):
+                    pending.append(pool.submit(read, index))
+                yield batch
+        finally:  # the consumer stopped early: what is still queued is not read
+            for future in pending:
+                future.cancel()
+
+
 class PyDatasetBatches(_Batches):
     """A `keras.utils.PyDataset`: tower k of step s takes batch `s * N + k` of
-    the pass, read in the main thread (workers are not used yet).
+    the pass; with `workers > 1`, that many threads read up to
+    `max_queue_size` batches ahead (`use_multiprocessing` too: in threads).
 
     A pass is `len(ds)` batches, `ceil(len(ds) / N)` steps, between
     `on_epoch_begin()` and `on_epoch_end()`. `shuffle` (fit's, as Keras)
@@ -309,10 +336,16 @@ class PyDatasetBatches(_Batches):
     def _pass(self, pass_index, skip=0):
         self._dataset.on_epoch_begin()
         last = -1 if self.never_ends else self.length - 1
-        for position, index in enumerate(self._order(pass_index)):
-            if position < skip:  # taken before a resume: not read again
-                continue
-            batch = self._read(index)
+        # Positions taken before a resume are not read again.
+        positions = itertools.islice(enumerate(self._order(pass_index)), skip, None)
+        workers = int(getattr(self._dataset, "workers", 1) or 1)
+        if workers > 1:
+            read = lambda item: (item[0], self._read(item[1]))  # noqa: E731
+            window = max(int(getattr(self._dataset, "max_queue_size", 10) or 10), workers)
+            positions = read_ahead(read, positions, workers, window)
+        else:
+            positions = ((position, self._read(index)) for position, index in positions)
+        for position, batch in positions:
             if position == last:
                 self._dataset.on_epoch_end()
             yield batch

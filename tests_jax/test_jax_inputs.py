@@ -9,6 +9,7 @@ logged value must agree, as in test_jax_equivalence.py.
 
 import doctest
 import itertools
+import threading
 
 import keras
 import numpy as np
@@ -44,6 +45,7 @@ class Batches(keras.utils.PyDataset):
         super().__init__(**kwargs)
         self.batches = batches
         self.read = []
+        self.threads = set()
         self.begun = 0
         self.ended = 0
 
@@ -52,6 +54,7 @@ class Batches(keras.utils.PyDataset):
 
     def __getitem__(self, index):
         self.read.append(index)
+        self.threads.add(threading.current_thread().name)
         return self.batches[index]
 
     def on_epoch_begin(self):
@@ -110,6 +113,7 @@ SOURCES = {
     "generator": ([B] * 14, False, 1, _generator),
     "iterable": ([B] * 13 + [5], True, 2, ReIterable),
     "pydataset": ([B] * 13 + [5], False, 2, Batches),
+    "pydataset_workers": ([B] * 13 + [5], True, 2, lambda batches: Batches(batches, workers=3)),
 }
 
 
@@ -328,3 +332,22 @@ def test_the_module_docstrings_run():
     assert tests
     for test in tests:
         assert doctest.DocTestRunner().run(test).failed == 0, test.name
+
+
+def test_a_pydataset_with_workers_is_read_ahead_by_threads_in_order():
+    sizes = [B] * 9 + [3]
+    batches = _cut(_arrays(sum(sizes))[:2], sizes)
+    threaded = Batches(batches, workers=3, max_queue_size=4)
+    plain = Batches(batches)
+    trained = []
+    for source in (threaded, plain):
+        model = _dense(2)
+        model.fit(source, epochs=2, shuffle=True, verbose=0)
+        trained.append(model.get_weights())
+    workers = threaded.threads - {"MainThread"}  # the main thread reads batch 0 to build
+    assert workers and all(t.startswith("kt-pydataset") for t in workers)
+    assert plain.threads == {"MainThread"}
+    assert sorted(threaded.read) == sorted(plain.read) == sorted(list(range(10)) * 2)
+    assert (threaded.begun, threaded.ended) == (plain.begun, plain.ended) == (2, 2)
+    for got, want in zip(*trained):
+        np.testing.assert_array_equal(got, want)
