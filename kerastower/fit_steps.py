@@ -10,11 +10,11 @@ import numpy as np
 
 from kerastower import _compat
 from kerastower.callbacks.base import RunHooks
+from kerastower.callbacks.base import unwrapped
 from kerastower.engine import nonfinite
 from kerastower.errors import InputSourceError
 from kerastower.loop import Iteration
 from kerastower.loop import announce_total_batch
-from kerastower.loop import unwrapped
 
 __all__ = ["FitSteps"]
 

@@ -29,7 +29,6 @@ from kerastower import jax_sources
 from kerastower import strategies
 from kerastower.engine import jax_step
 from kerastower.errors import InputSourceError
-from kerastower.errors import KerasTowerError
 from kerastower.fit_steps import FitSteps
 from kerastower.loop import LoopState
 from kerastower.loop import MainLoop
@@ -152,10 +151,6 @@ class TowerModel(keras.Model):
         """Trains the model; `batch_size` is per tower (see `keras.Model.fit`)."""
         _compat.assert_compile_called(self, "fit")
         check_strategy(self, "fit")
-        if logdir is not None:
-            raise KerasTowerError(
-                "fit(logdir=...) writes TensorBoard files through TensorFlow, which the "
-                "JAX backend does not use yet; pass keras.callbacks.TensorBoard instead.")
         (batch_size, epochs, verbose, initial_epoch, steps_per_epoch, validation_steps,
          validation_batch_size, validation_freq) = arguments.fit_integers(
             batch_size, epochs, verbose, initial_epoch, steps_per_epoch, validation_steps,

@@ -19,8 +19,10 @@ import warnings
 import keras
 
 from kerastower import _compat
-from kerastower.callbacks import monitors
+from kerastower.callbacks.defaults import TENSORBOARD_KINDS
+from kerastower.callbacks.defaults import with_default_monitors
 from kerastower.callbacks.base import Callback as KtCallback
+from kerastower.callbacks.base import unwrapped
 from kerastower.errors import StrategyError
 from kerastower.resume import ResumeState
 
@@ -154,32 +156,6 @@ def announce_total_batch(strategy, verbose, tower_examples):
     _compat.print_msg(f"kerastower: {per_tower} = total batch {sum(counts)} per step")
 
 
-def unwrapped(callback):
-    """The callback a wrapper (PeriodicTrigger, EnableCallbackIf) holds."""
-    while hasattr(callback, "callback") and isinstance(callback, KtCallback):
-        callback = callback.callback
-    return callback
-
-
-def _with_default_monitors(callbacks, verbose, logdir):
-    """The user's callbacks, then, given a logdir, throughput, TensorBoard
-    and stats.json writers, and kerastower's progress bar last."""
-    callbacks = list(callbacks or [])
-    kinds = tuple(type(unwrapped(cb)) for cb in callbacks)
-    if logdir is not None:
-        for kind, make in (
-            (monitors.ThroughputTracker, monitors.ThroughputTracker),
-            (keras.callbacks.TensorBoard, lambda: monitors.TensorBoard(logdir)),
-            (monitors.JSONWriter, lambda: monitors.JSONWriter(logdir)),
-        ):
-            if not any(issubclass(k, kind) for k in kinds):
-                callbacks.append(make())
-    if verbose != 0 and not any(issubclass(k, keras.callbacks.ProgbarLogger) for k in kinds):
-        # Last, as Keras puts its own: the epoch line shows what the others added.
-        callbacks.append(monitors.ProgressBar())
-    return callbacks
-
-
 _KERAS_CHIEF_ONLY = (
     keras.callbacks.TensorBoard,
     keras.callbacks.ModelCheckpoint,
@@ -207,7 +183,7 @@ def training_callbacks(model, callbacks, verbose, logdir, epochs, steps):
         return callbacks
     return keras.callbacks.CallbackList(
         callbacks_for_this_process(
-            model.tower_strategy, _with_default_monitors(callbacks, verbose, logdir)
+            model.tower_strategy, with_default_monitors(callbacks, verbose, logdir)
         ),
         add_history=True,
         add_progbar=False,
@@ -390,7 +366,7 @@ class MainLoop:
         # only closes its writers, which would else stay the thread's
         # default summary writer after the failed run.
         for callback in getattr(self.callbacks, "callbacks", []):
-            if not isinstance(callback, (KtCallback, keras.callbacks.TensorBoard)):
+            if not isinstance(callback, (KtCallback, *TENSORBOARD_KINDS)):
                 continue
             try:
                 callback.on_train_end(logs)

@@ -14,6 +14,8 @@ import kerastower as kt
 from kerastower import jax_inputs
 from kerastower import jax_model
 from kerastower import jax_strategies
+from kerastower.callbacks import defaults
+from kerastower.callbacks import event_scalars
 from kerastower.engine import jax_placement
 from jax_helpers import TowerRecorder
 
@@ -96,7 +98,7 @@ def test_the_jax_page_and_docstrings_run(tmp_path, monkeypatch):
     assert blocks
     for block in blocks:
         exec(compile(block, "docs/jax.md", "exec"), {"__name__": "docs_jax"})
-    for module in (jax_model, jax_inputs, jax_strategies, jax_placement):
+    for module in (jax_model, jax_inputs, jax_strategies, jax_placement, event_scalars, defaults):
         for test in doctest.DocTestFinder().find(module):
             if test.examples:
                 result = doctest.DocTestRunner().run(test)

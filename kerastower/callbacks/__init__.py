@@ -13,6 +13,8 @@ Examples:
     2
 """
 
+import keras
+
 from kerastower.callbacks.base import Callback
 from kerastower.callbacks.inference import ClassificationError
 from kerastower.callbacks.inference import InferenceRunner
@@ -36,6 +38,9 @@ from kerastower.callbacks.saver import ModelSaver
 from kerastower.callbacks.trigger import EnableCallbackIf
 from kerastower.callbacks.trigger import PeriodicTrigger
 from kerastower.callbacks.trigger import ProxyCallback
+
+if keras.backend.backend() == "jax":  # tf.summary is TensorFlow's: write events without it
+    from kerastower.callbacks.event_scalars import ScalarTensorBoard as TensorBoard
 
 __all__ = [
     "AutoResume",

@@ -41,7 +41,7 @@ class SayEpoch(kt.callbacks.Callback):
 
 import keras
 
-__all__ = ["Callback", "RunHooks"]
+__all__ = ["Callback", "RunHooks", "unwrapped"]
 
 
 class Callback(keras.callbacks.Callback):
@@ -213,3 +213,10 @@ class RunHooks:
         outputs = fn(*args, **kwargs)
         self.after_run(outputs)
         return outputs
+
+
+def unwrapped(callback):
+    """The callback a wrapper (PeriodicTrigger, EnableCallbackIf) holds."""
+    while hasattr(callback, "callback") and isinstance(callback, Callback):
+        callback = callback.callback
+    return callback

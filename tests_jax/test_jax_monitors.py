@@ -1,0 +1,100 @@
+"""fit(logdir=...) on JAX: TensorBoard scalars, stats.json and throughput, written
+without TensorFlow and read back with tensorboard's own reader."""
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+import warnings
+
+import jax
+import keras
+import numpy as np
+import pytest
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+import kerastower as kt
+from kerastower.callbacks.event_scalars import ScalarTensorBoard
+
+# A fresh process: this one may have imported TensorFlow already.
+SCRIPT = textwrap.dedent('''
+    import json, sys
+
+    class RefuseTensorFlow:
+        def find_spec(self, name, path=None, target=None):
+            if name.split(".")[0] in ("tensorflow", "horovod"):
+                raise ImportError(f"this test forbids importing {name}")
+
+    sys.meta_path.insert(0, RefuseTensorFlow())
+    import jax, keras, numpy as np
+    import kerastower as kt
+
+    x = np.random.default_rng(0).normal(size=(64, 4)).astype("float32")
+    y = x.sum(axis=1, keepdims=True)
+    with kt.distributed("mirrored", devices=jax.devices()[:2]):
+        inputs = keras.Input((4,))
+        model = kt.TowerModel(inputs, keras.layers.Dense(1)(inputs))
+        model.compile(optimizer=keras.optimizers.SGD(0.05), loss="mse", metrics=["mae"])
+        history = model.fit(x, y, batch_size=8, epochs=3, verbose=0, logdir=sys.argv[1],
+                            validation_data=(x[:16], y[:16]))
+    print(json.dumps({"history": history.history, "steps": model.loop.global_step,
+                      "tensorflow_imported": "tensorflow" in sys.modules}))
+''')
+
+
+def _scalars(folder):
+    events = EventAccumulator(folder)
+    events.Reload()
+    return {tag: [(e.step, e.value) for e in events.Scalars(tag)]
+            for tag in events.Tags()["scalars"]}
+
+
+def test_fit_with_a_logdir_writes_tensorboard_scalars_without_tensorflow(tmp_path):
+    env = dict(os.environ, KERAS_BACKEND="jax")
+    run = subprocess.run([sys.executable, "-c", SCRIPT, str(tmp_path)], env=env,
+                         capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr[-3000:]
+    result = json.loads(run.stdout.strip().splitlines()[-1])
+    assert result["tensorflow_imported"] is False and result["steps"] == 12
+    history = result["history"]
+    assert sorted(os.listdir(tmp_path)) == ["stats.json", "train", "validation"]
+    train = _scalars(str(tmp_path / "train"))
+    validation = _scalars(str(tmp_path / "validation"))
+    # Step scalars at every global step, epoch scalars at every epoch.
+    assert [step for step, _ in train["batch_loss"]] == list(range(1, 13))
+    for name in ("loss", "mae", "samples_per_sec"):
+        assert [s for s, _ in train[f"epoch_{name}"]] == [0, 1, 2]
+        np.testing.assert_allclose([v for _, v in train[f"epoch_{name}"]], history[name], rtol=1e-6)
+    np.testing.assert_allclose([v for _, v in train["epoch_learning_rate"]], [0.05] * 3, rtol=1e-6)
+    np.testing.assert_allclose([v for _, v in validation["epoch_loss"]], history["val_loss"], rtol=1e-6)
+    with open(tmp_path / "stats.json") as f:
+        assert [entry["epoch_num"] for entry in json.load(f)] == [1, 2, 3]
+
+
+def _model():
+    with kt.distributed("mirrored", devices=jax.devices()[:2]):
+        inputs = keras.Input((3,))
+        model = kt.TowerModel(inputs, keras.layers.Dense(1)(inputs))
+        model.compile(optimizer="sgd", loss="mse")
+    return model
+
+
+def test_update_freq_and_a_log_dir_that_cannot_be_written(tmp_path):
+    x, y = np.ones((48, 3), "float32"), np.ones((48, 1), "float32")
+    model = _model()
+    model.fit(x, y, batch_size=4, epochs=1, verbose=0,
+              callbacks=[kt.callbacks.TensorBoard(str(tmp_path / "tb"), update_freq=4)])
+    assert isinstance(kt.callbacks.TensorBoard(str(tmp_path)), ScalarTensorBoard)
+    assert [s for s, _ in _scalars(str(tmp_path / "tb" / "train"))["batch_loss"]] == [4]
+    blocked = tmp_path / "a_file"
+    blocked.write_text("not a folder")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        history = model.fit(x, y, batch_size=4, epochs=2, verbose=0,
+                            callbacks=[kt.callbacks.TensorBoard(str(blocked))])
+    assert len(history.history["loss"]) == 2
+    messages = [str(w.message) for w in caught if issubclass(w.category, kt.MonitorWriteWarning)]
+    assert len(messages) == 1 and "a_file" in messages[0]
+    with pytest.raises(kt.ArgumentError):
+        kt.callbacks.TensorBoard(str(tmp_path), update_freq=0)
