@@ -140,6 +140,7 @@ class TowerSteps:
         self._summed_metrics = None  # their sum over the towers, replicated
         self._held = None
         self._spans = spans_processes(mesh)
+        self._host_memory = all(d.platform == "cpu" for d in mesh.devices.flat)
 
     # -- state ------------------------------------------------------------
 
@@ -201,7 +202,12 @@ class TowerSteps:
 
     def place(self, batches):
         """Puts one batch per tower on the towers' devices; JAX copies in the
-        background, so placing the next step's batches overlaps this one."""
+        background, so placing the next step's batches overlaps this one.
+        One tower on a CPU takes its numpy batch as it is: the jitted step
+        reads host memory there, and a device_put would cost more than the
+        copy it hides."""
+        if self.num_towers == 1 and self._host_memory:
+            return batches[0]
         return place_tower_batches(self.mesh, batches)
 
     def train(self, batches, placed=None):
@@ -223,7 +229,7 @@ class TowerSteps:
         model = self.model
         state = (*self._current_state()[:2], self._metric_state())
         function = self._function("test", self._test_body)
-        metrics, self._summed_metrics, logs = function(state, place_tower_batches(self.mesh, batches))
+        metrics, self._summed_metrics, logs = function(state, self.place(batches))
         self._tower_metrics = metrics
         self._write_back(model.metrics_variables, self._summed_metrics)
         return logs
@@ -232,7 +238,7 @@ class TowerSteps:
         """The towers' outputs on one batch each, joined in tower order."""
         state = self._current_state()[:2]
         function = self._function("predict", self._predict_body)
-        return function(state, place_tower_batches(self.mesh, batches))
+        return function(state, self.place(batches))
 
     def _function(self, mode, body):
         if mode not in self._functions:
