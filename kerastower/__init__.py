@@ -33,9 +33,15 @@ from kerastower.strategies import strategy_names
 from kerastower.tower import TowerContext
 from kerastower.tower import get_current_tower_context
 
-if _on_jax():
-    from kerastower.jax_model import TowerModel
-else:
+from kerastower.backend import TowerModel
+from kerastower.trainers import GANModel
+from kerastower.trainers import GANTrainer
+from kerastower.trainers import SeparateGANTrainer
+from kerastower.trainers import StopTraining
+from kerastower.trainers import Trainer
+from kerastower.trainers import minimize
+
+if not _on_jax():
     from kerastower import functional as _functional  # registers the saved-model classes
     from kerastower import mirrored as _mirrored  # registers "single", "mirrored", "central"
     from kerastower import horovod as _horovod  # registers "horovod"; imports Horovod only when used
@@ -46,12 +52,6 @@ else:
     from kerastower.inputs import GeneratorInput
     from kerastower.inputs import InputSource
     from kerastower.inputs import TowerInputContext
-    from kerastower.model import TowerModel
-    from kerastower.trainers import GANModel
-    from kerastower.trainers import GANTrainer
-    from kerastower.trainers import SeparateGANTrainer
-    from kerastower.trainers import StopTraining
-    from kerastower.trainers import Trainer
 
 # What only the TensorFlow backend has, and what to use on JAX instead.
 _TENSORFLOW_ONLY = {
@@ -61,11 +61,6 @@ _TENSORFLOW_ONLY = {
     "GeneratorInput": "the generator itself, passed to fit",
     "InputSource": "numpy arrays, a Python generator or a keras.utils.PyDataset",
     "TowerInputContext": "numpy arrays, a Python generator or a keras.utils.PyDataset",
-    "GANModel": "a TowerModel with a custom train_step",
-    "GANTrainer": "a TowerModel with a custom train_step",
-    "SeparateGANTrainer": "a TowerModel with a custom train_step",
-    "StopTraining": "model.stop_training = True in a callback",
-    "Trainer": "kt.TowerModel and fit",
 }
 
 
@@ -98,6 +93,7 @@ __all__ = [
     "InputSourceError",
     "KerasTowerError",
     "LoopState",
+    "minimize",
     "MonitorWriteWarning",
     "NonFiniteError",
     "PeerFailureError",

@@ -28,19 +28,6 @@ class FunctionalTowerModel(TowerModel, _compat.functional_class()):
 _FUNCTIONAL_TWINS = {TowerModel: FunctionalTowerModel}
 
 
-def init_takes_inputs_outputs(cls):
-    """Whether `cls(a, b)` means `(inputs, outputs)`: its `__init__` is
-    TowerModel's or starts with those parameters (a subclass taking, say,
-    a generator and a discriminator is not functional)."""
-    if cls.__init__ is TowerModel.__init__:
-        return True
-    params = list(inspect.signature(cls.__init__).parameters.values())[1:3]
-    passes_through = (inspect.Parameter.VAR_POSITIONAL, inspect.Parameter.VAR_KEYWORD)
-    if params and params[0].kind in passes_through:
-        return True
-    return [p.name for p in params] == ["inputs", "outputs"]
-
-
 def functional_twin(cls):
     """`cls` with Functional mixed in, for `cls(inputs, outputs)`."""
     if cls not in _FUNCTIONAL_TWINS:

@@ -64,7 +64,7 @@ class TowerModel(keras.Model):
         # bases of SomeModel and its parents, TowerModel included, which would
         # make every later subclass functional; a functional twin avoids that.
         functional = _compat.functional_class()
-        if _compat.functional_init_arguments(args, kwargs) and not issubclass(cls, functional):
+        if _compat.makes_functional(cls, TowerModel, args, kwargs):
             if cls not in _FUNCTIONAL_TWINS:
                 _FUNCTIONAL_TWINS[cls] = type(cls.__name__, (cls, functional), {"__module__": cls.__module__})
             return super().__new__(_FUNCTIONAL_TWINS[cls])

@@ -83,14 +83,10 @@ class TowerModel(keras.Model):
         # bases of SomeModel and of its parents, TowerModel included, which
         # would turn every later subclass functional too. A functional twin of
         # the class, made once, avoids that.
-        if (
-            _compat.functional_init_arguments(args, kwargs)
-            and not issubclass(cls, _compat.functional_class())
-        ):
+        if _compat.makes_functional(cls, TowerModel, args, kwargs):
             from kerastower import functional
 
-            if functional.init_takes_inputs_outputs(cls):
-                return super().__new__(functional.functional_twin(cls))
+            return super().__new__(functional.functional_twin(cls))
         return super().__new__(cls)
 
     def __init__(self, *args, **kwargs):

@@ -39,8 +39,14 @@ SCRIPT = textwrap.dedent('''
         history = model.fit(x, y, batch_size=8, epochs=3, verbose=0, callbacks=callbacks)
         evaluated = model.evaluate(x, y, batch_size=16, verbose=0, return_dict=True)
         predicted = model.predict(x, batch_size=16, verbose=0)
+    with kt.distributed("mirrored", devices=jax.devices()[:2]):
+        gan = kt.GANModel(keras.Sequential([keras.Input((2,)), keras.layers.Dense(2)]),
+                          keras.Sequential([keras.Input((2,)), keras.layers.Dense(1)]))
+        gan.compile(g_optimizer="adam", d_optimizer="adam")
+        real = (np.full((4, 2), 3.0, "float32") for _ in iter(int, 1))
+        gan_history = kt.GANTrainer(gan, real).train(steps_per_epoch=3, verbose=0)
     errors = {}
-    for name in ("DatasetInput", "GeneratorInput", "Trainer", "use_cpu_towers"):
+    for name in ("DatasetInput", "GeneratorInput", "use_cpu_towers"):
         try:
             getattr(kt, name)
         except kt.KerasTowerError as error:
@@ -53,6 +59,8 @@ SCRIPT = textwrap.dedent('''
         "evaluated": evaluated,
         "predicted_shape": list(predicted.shape),
         "errors": errors,
+        "gan_logs": sorted(gan_history.history),
+        "gan_steps": int(gan.g_optimizer.iterations.numpy()),
     }))
 ''')
 
@@ -69,12 +77,13 @@ def test_fit_evaluate_predict_and_callbacks_run_with_tensorflow_refused(tmp_path
     assert abs(result["learning_rate"] - 0.01) < 1e-8
     assert set(result["evaluated"]) == {"loss", "mae"}
     assert result["predicted_shape"] == [64, 1]
+    assert result["gan_logs"] == ["d_loss", "g_loss"] and result["gan_steps"] == 3
     # JSONWriter wrote one entry per epoch, with the epoch's logs.
     with open(tmp_path / "stats.json") as f:
         stats = json.load(f)
     assert [entry["epoch_num"] for entry in stats] == [1, 2, 3]
     assert stats[-1]["loss"] == result["loss"][-1]
     # TensorFlow-only names say so, and what to use on JAX.
-    assert set(result["errors"]) == {"DatasetInput", "GeneratorInput", "Trainer", "use_cpu_towers"}
+    assert set(result["errors"]) == {"DatasetInput", "GeneratorInput", "use_cpu_towers"}
     assert "KERAS_BACKEND=jax" in result["errors"]["DatasetInput"]
     assert "keras.utils.PyDataset" in result["errors"]["DatasetInput"]

@@ -11,6 +11,7 @@ both backends and TensorFlow use; `on_jax.py` the JAX engine's hooks.
 
 import functools
 import importlib
+import inspect
 import threading
 
 import keras
@@ -114,6 +115,21 @@ def pythonify_logs(logs):
 
 def functional_init_arguments(args, kwargs):
     return require("keras.src.models.model", "functional_init_arguments")(args, kwargs)
+
+
+def makes_functional(cls, base, args, kwargs):
+    """Whether `cls(*args, **kwargs)` means a functional model, (inputs,
+    outputs), as Keras decides it: unless `cls`'s own `__init__` (not
+    `base`'s) starts with other parameters, a GAN's generator and
+    discriminator say."""
+    if not functional_init_arguments(args, kwargs) or issubclass(cls, functional_class()):
+        return False
+    if cls.__init__ is base.__init__:
+        return True
+    params = list(inspect.signature(cls.__init__).parameters.values())[1:3]
+    if params and params[0].kind in (inspect.Parameter.VAR_POSITIONAL, inspect.Parameter.VAR_KEYWORD):
+        return True
+    return [p.name for p in params] == ["inputs", "outputs"]
 
 
 def functional_class():

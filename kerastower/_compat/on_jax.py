@@ -1,5 +1,10 @@
 """The private Keras APIs of the JAX engine (see the package's docstring).
 
+A `keras.StatelessScope` opened inside another does not read the outer
+one's values (a variable it does not map reads its stored value), so a
+step that differentiates inside a tower function would see stale weights;
+`inheriting_stateless_scope` starts from the outer scope's mapping.
+
 Keras 3 refuses `BatchNormalization(synchronized=True)` on JAX (its
 constructor raises, and `keras.src.backend.jax.nn.moments` raises for
 `synchronized=True`). `install_synchronized_batchnorm` lets the layer be
@@ -17,9 +22,11 @@ from kerastower._compat import _missing
 from kerastower._compat import _patch
 from kerastower._compat import require
 
-__all__ = ["require_function", "install_synchronized_batchnorm"]
+__all__ = ["require_function", "install_synchronized_batchnorm", "current_stateless_scope",
+           "inheriting_stateless_scope"]
 
 _MOMENTS = ("keras.src.backend.jax.nn", "moments")
+_STATELESS_SCOPE = ("keras.src.backend.common.stateless_scope", "get_stateless_scope")
 _BATCHNORM = ("keras.src.layers.normalization.batch_normalization", "BatchNormalization")
 
 
@@ -80,3 +87,23 @@ def install_synchronized_batchnorm(synchronized_moments):
 
     _patch(module, _MOMENTS[1], routed)
     _patch(batchnorm, "__init__", accepting_synchronized)
+
+
+def current_stateless_scope():
+    """The innermost open `keras.StatelessScope`, or None."""
+    return require_function(*_STATELESS_SCOPE)()
+
+
+def inheriting_stateless_scope(state_mapping):
+    """A `keras.StatelessScope` mapping `state_mapping` (pairs of variable and
+    value) over what the scope it is opened in maps, so every variable reads
+    its value inside the enclosing step, not its stored one."""
+    scope = keras.StatelessScope(state_mapping=state_mapping)
+    outer = current_stateless_scope()
+    if outer is None:
+        return scope
+    inherited = getattr(outer, "state_mapping", None)
+    if not isinstance(inherited, dict) or not isinstance(getattr(scope, "state_mapping", None), dict):
+        raise _missing("keras.StatelessScope.state_mapping as a dict of variable id to value")
+    scope.state_mapping = {**inherited, **scope.state_mapping}
+    return scope

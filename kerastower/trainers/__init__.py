@@ -6,5 +6,6 @@ from kerastower.trainers.base import Trainer
 from kerastower.trainers.gan import GANModel
 from kerastower.trainers.gan import GANTrainer
 from kerastower.trainers.gan import SeparateGANTrainer
+from kerastower.trainers.minimize import minimize
 
-__all__ = ["GANModel", "GANTrainer", "SeparateGANTrainer", "StopTraining", "Trainer"]
+__all__ = ["GANModel", "GANTrainer", "SeparateGANTrainer", "StopTraining", "Trainer", "minimize"]

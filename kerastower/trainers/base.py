@@ -50,25 +50,27 @@ import functools
 
 import keras
 import numpy as np
-import tensorflow as tf
 
 from kerastower import _compat
 from kerastower.arguments import integer
-from kerastower.engine.tf_step import num_examples
+from kerastower.backend import TowerModel
 from kerastower.errors import InputSourceError
 from kerastower.errors import KerasTowerError
-from kerastower.inputs import InputSource
-from kerastower.inputs import as_input_source
 from kerastower.loop import Iteration
 from kerastower.loop import LoopState
 from kerastower.loop import MainLoop
 from kerastower.loop import announce_total_batch
 from kerastower.loop import StopTraining
 from kerastower.loop import training_callbacks
-from kerastower.model import TowerModel
 from kerastower.callbacks.base import RunHooks
 from kerastower.training_state import training_optimizers
-from kerastower.trainers.tower_function import TowerFunction
+from kerastower.strategies import _on_jax
+from kerastower.trainers.feeds import feed_for
+
+if _on_jax():
+    from kerastower.trainers.jax_tower_function import JaxTowerFunction as TowerFunction
+else:
+    from kerastower.trainers.tower_function import TowerFunction
 
 __all__ = ["Trainer", "StopTraining"]
 
@@ -89,7 +91,9 @@ class Trainer:
             trainer runs on the current strategy, and the variables it makes
             with `add_variable` are what checkpoints save.
         input: optional `kt.InputSource` or `tf.data.Dataset` (batched per
-            tower, and endless: an epoch does not end the data).
+            tower, and endless: an epoch does not end the data); on JAX a
+            Python generator or iterable of batches or a
+            `keras.utils.PyDataset` (trainers/feeds.py).
             `next_batches()` takes one batch per tower from it.
         train_op: optional callable; the default `run_step()` calls it
             through the hooked path. Subclasses override `run_step()` instead.
@@ -120,15 +124,10 @@ class Trainer:
                 "kt.TowerModel(model)) so callbacks and checkpoints can find "
                 "its variables and loop state."
             )
-        if input is not None and not isinstance(input, (InputSource, tf.data.Dataset)):
-            raise InputSourceError(
-                f"{type(self).__name__}: input must be a kt.InputSource or a "
-                f"tf.data.Dataset; got {type(input).__name__}. Wrap arrays in "
-                "tf.data.Dataset.from_tensor_slices(...).batch(n).repeat()."
-            )
         self.model = model
         self.strategy = model.tower_strategy
-        self.input = None if input is None else as_input_source(input)
+        self.input = input
+        self._feed = feed_for(input, type(self).__name__)
         self.train_op = train_op
         self.loop = LoopState()
         self._run_hooks = RunHooks([])
@@ -212,30 +211,20 @@ class Trainer:
             )
         if self._iterator is None:
             raise KerasTowerError("next_batches() is called from run_step(), during train().")
-        has_data, batches = self.strategy.next_step(self._iterator)
-        if not bool(has_data):
+        step = self._feed.next(self.strategy)
+        if step is None:
             raise InputSourceError(
                 f"The input ran out at global step {self.global_step} (epoch "
                 f"{self.epoch_num}, step {self.local_step}). An epoch is only the "
-                "period at which callbacks run and the input must not end: call "
-                ".repeat() on the dataset."
-            )
+                "period at which callbacks run and the input must not end: repeat it "
+                "(.repeat() on a dataset, a generator that loops).")
+        batches, tower_examples = step
         self.loop.tower_batches = [n + 1 for n in self.loop.tower_batches]
-        batches = batches()
-        tower_examples = self._examples_in(batches)
         self.loop.examples_seen += sum(tower_examples)
         if not self._announced:
             self._announced = True
             announce_total_batch(self.strategy, self._verbose, tower_examples)
         return batches
-
-    def _examples_in(self, batches):
-        """Examples in one step's batches, by tower. A process sees its own
-        towers' batches; with one tower per process (Horovod, multi-worker),
-        the others are counted as the same size: an endless input gives
-        every tower a whole batch."""
-        local = [int(num_examples(batch)) for batch in self.strategy.tower_values(batches)]
-        return (local * self.num_towers)[:self.num_towers] if len(local) < self.num_towers else local
 
     @staticmethod
     def tower_function(fn=None, *, reduce="mean", training=True):
@@ -246,7 +235,8 @@ class Trainer:
         (`Trainer.tower_function(self.step)`). The result takes what `fn` takes, per-tower values (what
         `next_batches()` returns) included; it runs `fn` once per tower,
         inside the tower's `TowerContext` and tower rules (see
-        `TowerModel.tower_scope`), compiled with `tf.function`.
+        `TowerModel.tower_scope`), compiled with `tf.function` (on JAX: one
+        `jax.jit` over the towers, trainers/jax_tower_function.py).
 
         `fn` returns a dict of values; each is reduced over towers:
 
@@ -357,8 +347,9 @@ class _RunSteps(Iteration):
 
     def start(self, skip_batches, epoch_num):
         trainer = self.trainer
-        if trainer.input is not None:
-            trainer._iterator = iter(trainer.input.distribute(trainer.strategy, skip_batches=skip_batches))
+        if trainer._feed is not None:
+            trainer._feed.open(trainer.strategy, skip_batches)
+            trainer._iterator = trainer._feed.iterator
 
     def before_epoch(self, loop):
         self.sums, self.counts = {}, {}

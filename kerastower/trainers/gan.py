@@ -21,13 +21,12 @@ print(history.history["d_loss"], history.history["g_loss"])
 """
 
 import keras
-import tensorflow as tf
 
 from kerastower import _compat
 from kerastower.arguments import integer
-from kerastower.engine.tf_step import num_examples
-from kerastower.model import TowerModel
+from kerastower.backend import TowerModel
 from kerastower.trainers.base import Trainer
+from kerastower.trainers.minimize import minimize
 
 __all__ = ["GANModel", "GANTrainer", "SeparateGANTrainer"]
 
@@ -119,43 +118,43 @@ class GANModel(TowerModel):
 
     def sample_noise(self, data):
         """Noise for the generator, one row per real sample of `data`."""
-        n = num_examples(data)
-        return keras.random.normal((n, self.latent_dim), seed=self.noise_seed)
+        real = keras.tree.flatten(self.real_samples(data))[0]
+        return keras.random.normal((keras.ops.shape(real)[0], self.latent_dim), seed=self.noise_seed)
 
     def generator_loss(self, fake_logits):
         """The generator wants its samples called real: -log D(G(z))."""
-        return tf.reduce_mean(tf.nn.softplus(-fake_logits))
+        return keras.ops.mean(keras.ops.softplus(-fake_logits))
 
     def discriminator_loss(self, real_logits, fake_logits):
         """The discriminator tells real (1) from generated (0)."""
-        return tf.reduce_mean(tf.nn.softplus(-real_logits)) + tf.reduce_mean(
-            tf.nn.softplus(fake_logits)
+        return keras.ops.mean(keras.ops.softplus(-real_logits)) + keras.ops.mean(
+            keras.ops.softplus(fake_logits)
         )
 
-    # Tower steps: one tower's update on its own batch.
+    # Tower steps: one tower's update on its own batch (kt.minimize averages
+    # the gradients over the towers before the optimizer applies them).
 
     def generator_tower_step(self, data):
         """One data-parallel generator update; returns {"g_loss": ...}."""
-        variables = self.generator.trainable_variables
-        with tf.GradientTape() as tape:
-            fake = self.generator(self.sample_noise(data), training=True)
-            loss = self.generator_loss(self.discriminator(fake, training=True))
-            scaled = self.g_optimizer.scale_loss(loss)
-        # Inside a tower, apply() takes the example-weighted mean over towers.
-        self.g_optimizer.apply(tape.gradient(scaled, variables), variables)
-        return {"g_loss": loss}
+        noise = self.sample_noise(data)
+
+        def loss():
+            fake = self.generator(noise, training=True)
+            return self.generator_loss(self.discriminator(fake, training=True))
+
+        return {"g_loss": minimize(self.g_optimizer, loss, self.generator.trainable_variables)}
 
     def discriminator_tower_step(self, data):
         """One data-parallel discriminator update; returns {"d_loss": ...}."""
-        variables = self.discriminator.trainable_variables
         fake = self.generator(self.sample_noise(data), training=True)
-        with tf.GradientTape() as tape:
-            real_logits = self.discriminator(self.real_samples(data), training=True)
+        real = self.real_samples(data)
+
+        def loss():
+            real_logits = self.discriminator(real, training=True)
             fake_logits = self.discriminator(fake, training=True)
-            loss = self.discriminator_loss(real_logits, fake_logits)
-            scaled = self.d_optimizer.scale_loss(loss)
-        self.d_optimizer.apply(tape.gradient(scaled, variables), variables)
-        return {"d_loss": loss}
+            return self.discriminator_loss(real_logits, fake_logits)
+
+        return {"d_loss": minimize(self.d_optimizer, loss, self.discriminator.trainable_variables)}
 
 
 class GANTrainer(Trainer):

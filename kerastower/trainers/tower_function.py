@@ -8,12 +8,11 @@ dict of results is reduced over towers (weighted mean, sum, or a list).
 import functools
 
 import numpy as np
-import tensorflow as tf
 
+from kerastower._tf import tf
 from kerastower.engine import nonfinite
 from kerastower.engine import step_errors
 from kerastower.errors import KerasTowerError
-from kerastower.model import TowerModel
 
 __all__ = ["TowerFunction"]
 
@@ -39,7 +38,7 @@ class TowerFunction:
         bound_functions = instance.__dict__.setdefault("_kerastower_tower_functions", {})
         bound = bound_functions.get(id(self))
         if bound is None:
-            bound = TowerFunction(
+            bound = type(self)(
                 functools.partial(self.fn, instance), self.reduce, self.training, owner=instance
             )
             bound.__name__ = getattr(self.fn, "__name__", "tower_function")
@@ -49,8 +48,8 @@ class TowerFunction:
 
     def _model(self):
         owner = self.owner
-        model = owner if isinstance(owner, TowerModel) else getattr(owner, "model", None)
-        if not isinstance(model, TowerModel):
+        model = owner if _is_tower_model(owner) else getattr(owner, "model", None)
+        if not _is_tower_model(model):
             raise KerasTowerError(
                 f"tower_function {self.__name__!r} cannot find the kt.TowerModel "
                 "whose strategy runs it: decorate a method of a kt.Trainer or of "
@@ -117,6 +116,12 @@ class TowerFunction:
         if model.run_eagerly:
             return run
         return tf.function(run, reduce_retracing=True)
+
+
+def _is_tower_model(obj):
+    from kerastower.backend import TowerModel  # the backend's, known once Keras is
+
+    return isinstance(obj, TowerModel)
 
 
 def _batch_size(batch):
