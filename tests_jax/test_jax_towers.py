@@ -96,9 +96,12 @@ def test_the_jax_page_and_docstrings_run(tmp_path, monkeypatch):
         text = f.read()
     blocks = re.findall(r"```python\n(.*?)```", text, flags=re.S)
     assert blocks
+    with open(os.path.join(ROOT, "docs", "trainers.md")) as f:
+        blocks += [b for b in re.findall(r"```python\n(.*?)```", f.read(), flags=re.S) if "kt.minimize" in b]
     for block in blocks:
         exec(compile(block, "docs/jax.md", "exec"), {"__name__": "docs_jax"})
-    for module in (jax_model, jax_inputs, jax_strategies, jax_placement, event_scalars, defaults):
+    for module in (jax_model, jax_inputs, jax_strategies, jax_placement, event_scalars, defaults,
+                   kt.minimize, kt.Trainer):
         for test in doctest.DocTestFinder().find(module):
             if test.examples:
                 result = doctest.DocTestRunner().run(test)
