@@ -34,6 +34,7 @@ from jax.sharding import NamedSharding
 
 from kerastower import _compat
 from kerastower.engine import jax_sync
+from kerastower.engine import jax_towers
 from kerastower.engine.jax_placement import AXIS
 from kerastower.engine.jax_placement import BY_TOWER
 from kerastower.engine.jax_placement import REPLICATED
@@ -74,41 +75,6 @@ def _gradients_taken(optimizer, step_name):
         yield taken
     finally:
         object.__delattr__(optimizer, "stateless_apply")
-
-
-def _seed_positions(model):
-    """Where the seed generators' states sit among the non-trainable variables."""
-    states = {
-        id(generator.state)
-        for layer in _compat.flatten_layers(model)
-        for generator in _compat.seed_generators(layer)
-    }
-    return [i for i, v in enumerate(model.non_trainable_variables) if id(v) in states]
-
-
-def _seeded_apart(values, positions, index):
-    """Tower `index`'s random streams: tower 0's seed moved by the index (as
-    on TensorFlow), so no two towers draw the same Dropout mask."""
-    if index == 0:
-        return values
-    values = list(values)
-    for i in positions:
-        values[i] = values[i] + jnp.asarray([index * 1_000_003, 0], values[i].dtype)
-    return values
-
-
-def _per_tower(values, num_towers):
-    """`values` as varying over the towers (each tower's own copy)."""
-    if num_towers == 1:
-        return list(values)
-    if hasattr(jax.lax, "pcast"):
-        return [jax.lax.pcast(v, AXIS, to="varying") for v in values]
-    return [jax.lax.pvary(v, AXIS) for v in values]
-
-
-def _all_finite(values):
-    flags = [jnp.all(jnp.isfinite(v)) for v in values if jnp.issubdtype(v.dtype, jnp.inexact)]
-    return jnp.all(jnp.stack(flags)) if flags else jnp.asarray(True)
 
 
 def nonfinite_towers(finite):
@@ -289,24 +255,6 @@ class TowerSteps:
         with jax_sync.synchronized_over(AXIS):
             return jax.lax.switch(jax.lax.axis_index(AXIS), branches, *args)
 
-    def _from_tower_0(self, values):
-        """Tower 0's `values`, the same on every tower.
-
-        A masked psum, not all_gather: shard_map then knows the result is
-        replicated. One tower too, whose values computed from its batch
-        vary over the axis.
-        """
-        if self.num_towers == 1:
-            return list(values)
-        first = jax.lax.axis_index(AXIS) == 0
-
-        def take(v):
-            if v.dtype == jnp.bool_:
-                return take(v.astype(jnp.int32)).astype(jnp.bool_)
-            return jax.lax.psum(jnp.where(first, v, jnp.zeros_like(v)), AXIS)
-
-        return [take(v) for v in values]
-
     def _tower_context(self, index, is_training, examples=None):
         ctx = TowerContext(index, self.num_towers, is_training)
         ctx.strategy = getattr(self.model, "tower_strategy", None)
@@ -318,11 +266,11 @@ class TowerSteps:
     def _train_body(self, trainable, non_trainable, optimizer_vars, tower_metrics, data):
         model = self.model
         step_name = f"{type(model).__name__}.train_step"
-        positions = _seed_positions(model)
+        positions = jax_towers.seed_positions(model, model.non_trainable_variables)
 
         def tower(index, trainable, non_trainable, optimizer_vars, metrics, data):
             examples = jax.tree.leaves(data)[0].shape[0]
-            non_trainable = _seeded_apart(non_trainable, positions, index)
+            non_trainable = jax_towers.seeded_apart(non_trainable, positions, index)
             with self._tower_context(index, True, examples), \
                     _gradients_taken(model.optimizer, step_name) as taken:
                 _, (_, non_trainable, _, metrics) = model.train_step(
@@ -339,9 +287,9 @@ class TowerSteps:
         # Each tower differentiates its own copy of the weights: the gradient
         # of replicated weights would come out summed over the towers.
         gradients, non_trainable, metrics = self._switch(
-            tower, _per_tower(trainable, self.num_towers), non_trainable, optimizer_vars, metrics, data)
+            tower, jax_towers.per_tower(trainable, self.num_towers), non_trainable, optimizer_vars, metrics, data)
         if self.num_towers > 1:
-            tower_finite = _all_finite(gradients)
+            tower_finite = jax_towers.all_finite(gradients)
             gradients = [jax.lax.pmean(g, AXIS) for g in gradients]
 
         def apply():
@@ -349,7 +297,7 @@ class TowerSteps:
                 optimizer_vars, gradients, trainable)))
 
         if self.check_finite:
-            finite = _all_finite(gradients)
+            finite = jax_towers.all_finite(gradients)
             # A cond, not a select of the new values: a skipped update costs
             # nothing and an applied one no extra pass over the weights.
             new_trainable, new_optimizer = jax.lax.cond(
@@ -358,7 +306,7 @@ class TowerSteps:
         else:
             new_trainable, new_optimizer = apply()
             flags = jnp.asarray(True)
-        return (list(new_trainable), self._from_tower_0(non_trainable), list(new_optimizer),
+        return (list(new_trainable), jax_towers.from_tower_0(non_trainable, self.num_towers), list(new_optimizer),
                 [m[None] for m in metrics], flags[None])
 
     def _towers_to_blame(self, tower_finite, finite):

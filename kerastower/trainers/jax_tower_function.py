@@ -29,9 +29,14 @@ import keras
 import numpy as np
 from jax.sharding import NamedSharding
 
-from kerastower import _compat
 from kerastower._compat import on_jax as jax_compat
 from kerastower.engine import jax_sync
+from kerastower.engine.jax_towers import all_finite
+from kerastower.engine.jax_towers import from_tower_0
+from kerastower.engine.jax_towers import per_tower
+from kerastower.engine.jax_towers import seed_positions
+from kerastower.engine.jax_towers import seeded_apart
+from kerastower.engine.jax_towers import varying
 from kerastower.engine import nonfinite
 from kerastower.engine.jax_placement import AXIS
 from kerastower.engine.jax_placement import BY_TOWER
@@ -77,11 +82,6 @@ def _unique(variables):
             seen.add(id(variable))
             unique.append(variable)
     return unique
-
-
-def _all_finite(values):
-    flags = [jnp.all(jnp.isfinite(v)) for v in values if jnp.issubdtype(v.dtype, jnp.inexact)]
-    return jnp.all(jnp.stack(flags)) if flags else jnp.asarray(True)
 
 
 class _Health:
@@ -147,7 +147,7 @@ class JaxTowerFunction(TowerFunction):
     def _run(self, model, mesh, variables, state, args, kinds):
         num_towers = mesh.size
         changed = set()  # what any tower assigned, found while the towers are traced
-        seeds = _seed_positions(model, variables)
+        seeds = seed_positions(model, variables)
 
         def tower(index, state, args):
             return self._tower(model, variables, seeds, changed, index, num_towers, state, args, kinds)
@@ -156,12 +156,13 @@ class JaxTowerFunction(TowerFunction):
             if num_towers == 1:
                 new_state, outputs, weight, health = tower(0, state, args)
             else:
-                state = [_varying(v) for v in state]
+                state = per_tower(state, num_towers)
                 branches = [functools.partial(tower, i) for i in range(num_towers)]
                 with jax_sync.synchronized_over(AXIS):
                     new_state, outputs, weight, health = jax.lax.switch(
                         jax.lax.axis_index(AXIS), branches, state, args)
-            new = {i: _from_tower_0(new_state[i], num_towers) for i in sorted(changed)}
+            changed_indices = sorted(changed)
+            new = dict(zip(changed_indices, from_tower_0([new_state[i] for i in changed_indices], num_towers)))
             return new, self._reduced(outputs, weight, num_towers), jnp.stack(health)[None]
 
         if num_towers == 1:
@@ -181,9 +182,7 @@ class JaxTowerFunction(TowerFunction):
                 f"(got {type(args[0]).__name__}). Pass next_batches() first, or use "
                 "reduce=\"sum\" or None.")
         weight = jnp.asarray(1.0 if examples is None else examples, "float32")
-        values = list(state)
-        for i in (seeds if index else ()):
-            values[i] = values[i] + jnp.asarray([index * 1_000_003, 0], values[i].dtype)
+        values = seeded_apart(state, seeds, index)
         ctx = TowerContext(index, num_towers, self.training)
         ctx.strategy, ctx.num_examples, ctx.example_weight = model.tower_strategy, examples, weight
         health = _Health()
@@ -201,9 +200,9 @@ class JaxTowerFunction(TowerFunction):
             value = scope.state_mapping[id(variable)]
             if value is not initial[id(variable)]:
                 changed.add(i)
-            new_state.append(_varying(value, num_towers))
-        outputs = {k: _varying(jnp.asarray(v), num_towers) for k, v in outputs.items()}
-        flags = [_varying(health.step_finite, num_towers), _varying(health.own_finite, num_towers)]
+            new_state.append(varying(value, num_towers))
+        outputs = {k: varying(jnp.asarray(v), num_towers) for k, v in outputs.items()}
+        flags = [varying(health.step_finite, num_towers), varying(health.own_finite, num_towers)]
         return new_state, outputs, weight, flags
 
     def _reduced(self, outputs, weight, num_towers):
@@ -220,37 +219,6 @@ class JaxTowerFunction(TowerFunction):
 def _unwrapped(batch):
     """A tower's batch as the source gave it: `x` rather than `(x,)`."""
     return batch[0] if isinstance(batch, tuple) and len(batch) == 1 else batch
-
-
-def _varying(value, num_towers=2):
-    """`value` typed as varying over the towers, as every tower's output must be."""
-    if num_towers == 1 or AXIS in _varying_axes(value):
-        return value
-    if hasattr(jax.lax, "pcast"):
-        return jax.lax.pcast(value, AXIS, to="varying")
-    return jax.lax.pvary(value, AXIS)
-
-
-def _varying_axes(value):
-    aval = jax.typeof(value)
-    axis_type = getattr(aval, "manual_axis_type", None)   # JAX >= 0.9
-    return axis_type.varying if axis_type is not None else getattr(aval, "vma", frozenset())
-
-
-def _from_tower_0(value, num_towers):
-    if num_towers == 1:
-        return value
-    first = jax.lax.axis_index(AXIS) == 0
-    if value.dtype == jnp.bool_:
-        return _from_tower_0(value.astype(jnp.int32), num_towers).astype(jnp.bool_)
-    return jax.lax.psum(jnp.where(first, value, jnp.zeros_like(value)), AXIS)
-
-
-def _seed_positions(model, variables):
-    states = {id(generator.state)
-              for layer in _compat.flatten_layers(model)
-              for generator in _compat.seed_generators(layer)}
-    return [i for i, v in enumerate(variables) if id(v) in states]
 
 
 @contextlib.contextmanager
@@ -272,21 +240,21 @@ def _apply_reduced(optimizer, keras_apply, weight, num_towers, health, grads, tr
             f"{optimizer.name}.apply(grads) inside a tower function on JAX: pass the "
             "variables too, apply(grads, variables), so kerastower knows what it updates.")
     grads, trainable_variables = list(grads), list(trainable_variables)
-    own_finite = _all_finite(grads)
+    own_finite = all_finite(grads)
     if num_towers > 1:
         total = jax.lax.psum(weight, AXIS)
         grads = [jax.lax.psum(g * weight.astype(g.dtype), AXIS) / total.astype(g.dtype) for g in grads]
-    finite = _all_finite(grads)
+    finite = all_finite(grads)
     health.record(finite, own_finite)
     touched = _unique(list(optimizer.variables) + trainable_variables)
 
     def applied():
         with jax_compat.inheriting_stateless_scope([]) as scope:
             keras_apply(optimizer, grads, trainable_variables)
-        return [_varying(scope.state_mapping.get(id(v), v.value), num_towers) for v in touched]
+        return [varying(scope.state_mapping.get(id(v), v.value), num_towers) for v in touched]
 
     def skipped():
-        return [_varying(v.value, num_towers) for v in touched]
+        return [varying(v.value, num_towers) for v in touched]
 
     for variable, value in zip(touched, jax.lax.cond(finite, applied, skipped)):
         variable.assign(value)
