@@ -1,7 +1,7 @@
 """The JAX backend's ratios: kt-JAX fit against a bare jitted step and stock Keras.
 
     KERAS_BACKEND=jax python benchmarks/jax_run.py [--steps 40] [--rounds 7]
-        [--models small_mlp,mlp,convnet] [--batch 64] [--towers 2]
+        [--models small_mlp,mlp,convnet] [--batch 64] [--towers 2] [--spe 8]
 
 The bare step is what a JAX user writes by hand: one `jax.jit` of the
 model's `stateless_call`, `jax.value_and_grad` and the optimizer's
@@ -9,7 +9,8 @@ model's `stateless_call`, `jax.value_and_grad` and the optimizer's
 kt-JAX fit runs one tower on one device from numpy arrays (what a user
 passes), and with `--towers N` also N towers on N devices (forced host
 devices on a CPU: they share its cores). Stock Keras-JAX `fit` runs the same
-model from the same arrays. Ratios are taken round by round in one process
+model from the same arrays. The spe rows run kt-JAX and stock Keras-JAX fit
+with `steps_per_execution` (K steps in one jitted call). Ratios are taken round by round in one process
 (harness.py), rates in samples per second.
 """
 
@@ -67,20 +68,24 @@ def fit_runner(model, x, y, batch):
         x, y, batch_size=batch, steps_per_epoch=steps, epochs=1, verbose=0, callbacks=callbacks))
 
 
-def rows_for(build, batch, towers, steps, rounds):
+def rows_for(build, batch, towers, steps, rounds, spe=8):
     x, y = models.examples(build, 64 * batch * max(towers, 1))
     # jit_compile=False would make stock Keras-JAX run its step eagerly;
     # kerastower's JAX step is always one jax.jit.
     with kt.distributed("single", devices=[0]):
         tower_model = models.compile_model(build(kt.TowerModel), jit_compile=True)
         unchecked = models.compile_model(build(kt.TowerModel), jit_compile=True, check_finite=False)
+        several = models.compile_model(build(kt.TowerModel), jit_compile=True, steps_per_execution=spe)
     bare = models.compile_model(build(keras.Model), jit_compile=True)
     stock = models.compile_model(build(keras.Model), jit_compile=True)
+    stock_several = models.compile_model(build(keras.Model), jit_compile=True, steps_per_execution=spe)
     runners = {
         "bare": (harness.loop_runner(bare_jax_step(bare, x[:batch], y[:batch])), batch),
         "kt": (fit_runner(tower_model, x, y, batch), batch),
         "kt unchecked": (fit_runner(unchecked, x, y, batch), batch),
         "stock": (fit_runner(stock, x, y, batch), batch),
+        "kt spe": (fit_runner(several, x, y, batch), batch),
+        "stock spe": (fit_runner(stock_several, x, y, batch), batch),
     }
     if towers > 1:
         with kt.distributed("mirrored", devices=list(range(towers))):
@@ -92,6 +97,9 @@ def rows_for(build, batch, towers, steps, rounds):
         (f"JAX {name}", "kt fit 1 device / bare jitted step", "kt", "bare", 0.98),
         (f"JAX {name}", "kt fit 1 device / stock Keras-JAX fit", "kt", "stock", 1.0),
         (f"JAX {name}", "kt fit, check_finite=False / bare jitted step", "kt unchecked", "bare", None),
+        (f"JAX {name}", f"kt fit, steps_per_execution={spe} / bare jitted step", "kt spe", "bare", 0.98),
+        (f"JAX {name}", f"kt fit / stock Keras-JAX fit, both steps_per_execution={spe}", "kt spe",
+         "stock spe", 1.0),
     ]
     if towers > 1:
         rows.append((f"JAX {name}", f"kt fit {towers} towers / kt fit 1 device", "kt towers", "kt", None))
@@ -107,6 +115,7 @@ def main():
     parser.add_argument("--models", default="small_mlp,mlp,convnet")
     parser.add_argument("--batch", type=int, default=64)
     parser.add_argument("--towers", type=int, default=min(2, len(jax.devices())))
+    parser.add_argument("--spe", type=int, default=8, help="steps_per_execution of the spe rows")
     args = parser.parse_args()
     if keras.backend.backend() != "jax":
         raise SystemExit("Run with KERAS_BACKEND=jax.")
@@ -120,7 +129,7 @@ def main():
     print("|---|---|---|---|---|---|")
     for name in filter(None, args.models.split(",")):
         for case, what, wall, cpu, goal, detail in rows_for(
-                getattr(models, name), args.batch, args.towers, args.steps, args.rounds):
+                getattr(models, name), args.batch, args.towers, args.steps, args.rounds, args.spe):
             met = "" if goal is None else f">= {goal}" + (" met" if wall >= goal else " NOT met")
             print(f"| {case} | {what} | {wall:.3f} | {cpu:.3f} | {met} | {detail} |", flush=True)
 

@@ -103,15 +103,16 @@ class TowerModel(keras.Model):
         return self._engines[len(devices)]
 
     def run_towers(self, mode, batches, placed=None):
-        """One train, test or predict step on `batches` (one per tower, or
-        one holding a pass's last examples; `placed`: them on the devices)."""
-        engine = self.engine(len(batches))
+        """One test or predict step on `batches` (one per tower, or one
+        holding a pass's last examples); for "train", the steps `batches`
+        (a list of such lists) in one call (`placed`: them on the devices)."""
+        engine = self.engine(len(batches[0]) if mode == "train" else len(batches))
         for other in self._engines.values():
             if other is not engine:
                 other.sync()
                 other.reset_metrics()  # the model's metrics hold the last step's
         if mode == "train":
-            return engine.train(batches, placed)
+            return engine.train_steps(batches, placed)
         return getattr(engine, mode)(batches)
 
     def jax_state_sync(self):
@@ -225,6 +226,10 @@ class TowerModel(keras.Model):
             lambda *parts: np.concatenate([np.asarray(p) for p in parts], axis=0), *outputs)
 
 
+def _shapes(step):
+    return [[np.shape(leaf) for leaf in keras.tree.flatten(batch)] for batch in step]
+
+
 def _unpacked(data):
     data = tuple(data) if isinstance(data, (tuple, list)) else (data,)
     return data + (None,) * (3 - len(data))
@@ -242,7 +247,7 @@ class JaxFitSteps(FitSteps):
         pass's order from the seed and skip what was taken; a generator's
         batches are read and dropped."""
         self.endless = bool(self.steps_per_epoch)
-        self._ahead = None
+        self._ahead = self._pending = None
         skip = max(skip_batches) if skip_batches else 0
         self.resumed_pass = None
         if self.endless:
@@ -255,7 +260,7 @@ class JaxFitSteps(FitSteps):
         self.loop = loop
         if not self.endless:
             loop.tower_batches = [0] * self.model.num_towers
-            self._ahead = None  # a new pass, a new iterator
+            self._ahead = self._pending = None  # a new pass, a new iterator
             skip = 0
             if self.resumed_pass is not None:
                 loop.tower_batches, self.resumed_pass = self.resumed_pass, None
@@ -264,39 +269,71 @@ class JaxFitSteps(FitSteps):
                 self.model.num_towers, loop.epoch_num - 1, skip_steps=skip)
 
     def run(self, num_steps):
+        """Up to `num_steps` steps (`steps_per_execution`), in as few jitted
+        calls as the input allows: one, unless a step of another shape (a
+        pass's short last step) must run on its own."""
         self.run_hooks.before_run()
         ran = 0
-        for _ in range(num_steps):
-            batches, placed = self._ahead or (next(self.iterator, None), None)
+        while ran < num_steps:
+            steps, placed = self._ahead or (self._take_steps(num_steps - ran), None)
             self._ahead = None
-            if batches is None:
+            if not steps:
                 break
-            self.logs, finite = self.model.run_towers("train", batches, placed)
-            self._ahead = self._read_ahead()
-            bad_towers = jax_step.nonfinite_towers(finite)  # waits for the step
-            if bad_towers is not None:
-                self.failure = (self.loop.global_step + ran + 1, bad_towers)
+            self.logs, finite = self.model.run_towers("train", steps, placed)
+            self._ahead = self._read_ahead(self._next_call_steps(num_steps, ran + len(steps)))
+            failed = jax_step.first_nonfinite_step(finite)  # waits for the steps
+            done = len(steps) if failed is None else failed[0]
+            for batches in steps[:done]:
+                examples = [len(keras.tree.flatten(b)[0]) for b in batches]
+                self.loop.tower_batches = [n + 1 for n in self.loop.tower_batches]
+                self.loop.examples_seen += sum(examples)
+                self._announce_total_batch(examples * (self.model.num_towers // len(examples)))
+            ran += done
+            if failed is not None:
+                self.failure = (self.loop.global_step + ran + 1, failed[1])
                 break
-            ran += 1
-            examples = [len(keras.tree.flatten(b)[0]) for b in batches]
-            self.loop.tower_batches = [n + 1 for n in self.loop.tower_batches]
-            self.loop.examples_seen += sum(examples)
-            self._announce_total_batch(examples * (self.model.num_towers // len(examples)))
         self.run_hooks.after_run(self.logs)
         return ran, self.logs
 
-    # While a step runs, the next step's batches are read and put on the
+    _pending = None  # a step taken from the input that must run in a call of its own
+
+    def _take_steps(self, most):
+        """Up to `most` steps of the input to run in one call: steps of every
+        tower and of one shape (a short last step runs alone)."""
+        steps = []
+        while len(steps) < most:
+            step, self._pending = self._pending or next(self.iterator, None), None
+            if step is None:
+                break
+            if steps and _shapes(step) != _shapes(steps[0]):
+                self._pending = step
+                break
+            steps.append(step)
+            if len(step) < self.model.num_towers:
+                break
+        return steps
+
+    def _next_call_steps(self, num_steps, taken):
+        """How many steps the next call runs, when known: the rest of this
+        one, else the next `run`'s, within this epoch."""
+        if taken < num_steps:
+            return num_steps - taken
+        if not self.steps_per_epoch:
+            return self.steps_per_call
+        return min(self.steps_per_call, self.steps_per_epoch - self.loop.local_step - taken)
+
+    # While a step runs, the next call's batches are read and put on the
     # devices, from sources that reading ahead cannot change (arrays): a
     # generator or PyDataset is read only when its batches are due.
     _ahead = None
 
-    def _read_ahead(self):
-        if not getattr(self.source, "read_ahead", False):
+    def _read_ahead(self, num_steps):
+        if num_steps < 1 or not getattr(self.source, "read_ahead", False):
             return None
-        batches = next(self.iterator, None)
-        if batches is None:
-            return (None, None)
-        return batches, self.model.engine(len(batches)).place(batches)
+        steps = self._take_steps(num_steps)
+        if not steps:
+            return ([], None)
+        return steps, self.model.engine(len(steps[0])).place_steps(steps)
 
     def epoch_logs(self, loop):
         self.model.jax_state_sync()  # epoch-end callbacks and validation read the weights

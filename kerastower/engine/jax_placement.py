@@ -22,12 +22,13 @@ from jax.sharding import PartitionSpec
 
 from kerastower.errors import DataMismatchError
 
-__all__ = ["AXIS", "REPLICATED", "BY_TOWER", "tower_mesh", "place_tower_batches",
+__all__ = ["AXIS", "REPLICATED", "BY_TOWER", "BY_STEP_AND_TOWER", "tower_mesh", "place_tower_batches",
            "spans_processes", "local_value"]
 
 AXIS = "towers"
 REPLICATED = PartitionSpec()
 BY_TOWER = PartitionSpec(AXIS)
+BY_STEP_AND_TOWER = PartitionSpec(None, AXIS)  # [steps, towers, ...]: several steps' values
 
 
 def tower_mesh(devices):

@@ -35,8 +35,10 @@ from jax.sharding import NamedSharding
 from kerastower import _compat
 from kerastower.engine import jax_sync
 from kerastower.engine import jax_towers
+from kerastower.engine.jax_towers import first_nonfinite_step
 from kerastower.engine.jax_placement import AXIS
 from kerastower.engine.jax_placement import BY_TOWER
+from kerastower.engine.jax_placement import BY_STEP_AND_TOWER
 from kerastower.engine.jax_placement import REPLICATED
 from kerastower.engine.jax_placement import local_value
 from kerastower.engine.jax_placement import place_tower_batches
@@ -46,7 +48,7 @@ from kerastower.errors import TowerRuleError
 from kerastower.tower import TowerContext
 
 __all__ = ["AXIS", "tower_mesh", "place_tower_batches", "spans_processes", "local_value",
-           "nonfinite_towers", "TowerSteps"]
+           "first_nonfinite_step", "TowerSteps"]
 
 jax_sync.install()
 
@@ -75,16 +77,6 @@ def _gradients_taken(optimizer, step_name):
         yield taken
     finally:
         object.__delattr__(optimizer, "stateless_apply")
-
-
-def nonfinite_towers(finite):
-    """The towers whose own gradients were not finite, from a train step's
-    flags (waiting for the step), or None when the step applied its update
-    (or nothing was checked: `finite` is None, and nothing waits)."""
-    if finite is None:
-        return None
-    finite = np.asarray(finite)
-    return None if finite.all() else np.flatnonzero(~finite).tolist()
 
 
 class TowerSteps:
@@ -176,18 +168,33 @@ class TowerSteps:
             return batches[0]
         return place_tower_batches(self.mesh, batches)
 
-    def train(self, batches, placed=None):
-        """One training step on one batch per tower (`placed`: them, already
-        placed); returns (logs, each tower's finite flag, still on the
-        devices: `nonfinite_towers` reads it)."""
-        data = self.place(batches) if placed is None else placed
-        function = self._function("train", self._train_body)
+    def place_steps(self, steps):
+        """Several steps' batches (each a list of one per tower) on the
+        towers' devices: each tower's batches of every step joined, in order."""
+        if len(steps) == 1:
+            return self.place(steps[0])
+        joined = [jax.tree.map(lambda *parts: np.concatenate(parts), *[step[i] for step in steps])
+                  for i in range(len(steps[0]))]
+        return self.place(joined)
+
+    def train_steps(self, steps, placed=None):
+        """`len(steps)` training steps in one call (`steps_per_execution`),
+        each a list of one batch per tower, all of one shape (`placed`:
+        them, already placed). Returns (the last step's logs, each tower's
+        finite flag by step, still on the devices: `first_nonfinite_step`
+        reads them; None when unchecked)."""
+        data = self.place_steps(steps) if placed is None else placed
+        if len(steps) == 1:
+            function = self._function("train", self._train_body)
+        else:
+            function = self._function(f"train_steps:{len(steps)}",
+                                      functools.partial(self._train_steps_body, len(steps)))
         state = (*self._current_state(), self._metric_state())
         self._held = None  # donated to the step
         (*held, metrics), self._summed_metrics, logs, finite = function(state, data)
         self._held, self._tower_metrics = tuple(held), metrics
-        # Unchecked, nothing waits for the step: the next one is dispatched
-        # while it runs.
+        # Unchecked, nothing waits for the steps: the next call is
+        # dispatched while they run.
         return logs, (finite if self.check_finite else None)
 
     def test(self, batches):
@@ -211,13 +218,16 @@ class TowerSteps:
             specs = {
                 "train": ((REPLICATED,) * 3 + (BY_TOWER, BY_TOWER),
                           (REPLICATED,) * 3 + (BY_TOWER, BY_TOWER)),
+                "train_steps": ((REPLICATED,) * 3 + (BY_TOWER, BY_TOWER),
+                                (REPLICATED,) * 3 + (BY_TOWER, BY_STEP_AND_TOWER)),
                 "test": ((REPLICATED,) * 2 + (BY_TOWER, BY_TOWER), BY_TOWER),
                 "predict": ((REPLICATED,) * 2 + (BY_TOWER,), BY_TOWER),
-            }[mode]
+            }[mode.split(":")[0]]
             sharded = (body if self.num_towers == 1 else
                        jax.shard_map(body, mesh=self.mesh, in_specs=specs[0], out_specs=specs[1]))
             self._functions[mode] = jax.jit(
-                functools.partial(self._run, mode, sharded), donate_argnums=0 if mode == "train" else ())
+                functools.partial(self._run, mode, sharded),
+                donate_argnums=0 if mode.startswith("train") else ())
         return self._functions[mode]
 
     def _run(self, mode, sharded, state, data):
@@ -264,6 +274,32 @@ class TowerSteps:
         return ctx
 
     def _train_body(self, trainable, non_trainable, optimizer_vars, tower_metrics, data):
+        return self._train_step(trainable, non_trainable, optimizer_vars, tower_metrics, data)[:5]
+
+    def _train_steps_body(self, num_steps, trainable, non_trainable, optimizer_vars, tower_metrics, data):
+        """`num_steps` training steps in one `lax.scan`: this tower's batches
+        of every step arrive joined (`place_steps`). After a step whose
+        gradients were not finite, the later ones change nothing (the loop
+        stops at that step, as with one step a call)."""
+        steps = jax.tree.map(lambda a: a.reshape((num_steps, a.shape[0] // num_steps) + a.shape[1:]), data)
+
+        def step(carry, batch):
+            *state, going = carry
+            *new, flags, finite = self._train_step(*state, batch, going)
+            if self.check_finite:
+                for i in (1, 3):  # non-trainables and metrics; the update is gated already
+                    new[i] = [jnp.where(finite, n, o) for n, o in zip(new[i], state[i])]
+                going = finite
+            return (*new, going), flags
+
+        carry = (list(trainable), list(non_trainable), list(optimizer_vars), list(tower_metrics),
+                 jnp.asarray(True))
+        (*state, _), flags = jax.lax.scan(step, carry, steps)
+        return (*state, flags)
+
+    def _train_step(self, trainable, non_trainable, optimizer_vars, tower_metrics, data, going=True):
+        """One step: (the new state, this tower's finite flag, whether the
+        step applied its update)."""
         model = self.model
         step_name = f"{type(model).__name__}.train_step"
         positions = jax_towers.seed_positions(model, model.non_trainable_variables)
@@ -297,7 +333,7 @@ class TowerSteps:
                 optimizer_vars, gradients, trainable)))
 
         if self.check_finite:
-            finite = jax_towers.all_finite(gradients)
+            finite = jnp.logical_and(jax_towers.all_finite(gradients), going)
             # A cond, not a select of the new values: a skipped update costs
             # nothing and an applied one no extra pass over the weights.
             new_trainable, new_optimizer = jax.lax.cond(
@@ -305,9 +341,9 @@ class TowerSteps:
             flags = finite if self.num_towers == 1 else self._towers_to_blame(tower_finite, finite)
         else:
             new_trainable, new_optimizer = apply()
-            flags = jnp.asarray(True)
+            finite = flags = jnp.asarray(True)
         return (list(new_trainable), jax_towers.from_tower_0(non_trainable, self.num_towers), list(new_optimizer),
-                [m[None] for m in metrics], flags[None])
+                [m[None] for m in metrics], flags[None], finite)
 
     def _towers_to_blame(self, tower_finite, finite):
         """Each tower's flag: its own gradients' finiteness; every tower's

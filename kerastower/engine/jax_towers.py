@@ -9,11 +9,13 @@ as everyone's, random seeds moved per tower, and NaN/Inf flags.
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from kerastower import _compat
 from kerastower.engine.jax_placement import AXIS
 
-__all__ = ["varying", "per_tower", "from_tower_0", "seed_positions", "seeded_apart", "all_finite"]
+__all__ = ["varying", "per_tower", "from_tower_0", "seed_positions", "seeded_apart", "all_finite",
+           "first_nonfinite_step"]
 
 
 def _varying_axes(value):
@@ -83,3 +85,17 @@ def all_finite(values):
     """Whether every float value of `values` is finite (one boolean)."""
     flags = [jnp.all(jnp.isfinite(v)) for v in values if jnp.issubdtype(v.dtype, jnp.inexact)]
     return jnp.all(jnp.stack(flags)) if flags else jnp.asarray(True)
+
+
+def first_nonfinite_step(finite):
+    """(the index of the first step whose gradients were not finite, the
+    towers to blame), from `train_steps`' flags (waiting for the steps), or
+    None when every step applied its update or nothing was checked."""
+    if finite is None:
+        return None
+    finite = np.asarray(finite)
+    finite = finite[None] if finite.ndim == 1 else finite   # one step's
+    for step, flags in enumerate(finite):
+        if not flags.all():
+            return step, np.flatnonzero(~flags).tolist()
+    return None
