@@ -20,33 +20,9 @@ from conftest import TWO
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, "examples"))
 import gan_digits  # noqa: E402
-
-
-class NoiseFromInput(kt.GANModel):
-    """Takes its noise from the input, (real, noise), so that runs with any
-    number of towers see the same numbers."""
-
-    def real_samples(self, data):
-        return data[0]
-
-    def sample_noise(self, data):
-        return data[1]
-
-
-def tiny_gan(cls=kt.GANModel):
-    keras.utils.set_random_seed(7)
-    generator = keras.Sequential(
-        [keras.Input((4,)), keras.layers.Dense(8, activation="relu"), keras.layers.Dense(3)]
-    )
-    discriminator = keras.Sequential(
-        [keras.Input((3,)), keras.layers.Dense(8, activation="relu"), keras.layers.Dense(1)]
-    )
-    gan = cls(generator, discriminator, seed=3)
-    gan.compile(
-        g_optimizer=keras.optimizers.Adam(1e-2, beta_1=0.5),
-        d_optimizer=keras.optimizers.SGD(0.1, momentum=0.9),
-    )
-    return gan
+from loop_cases import NoiseFromInput  # noqa: E402
+from loop_cases import NoiseProbe  # noqa: E402
+from loop_cases import tiny_gan  # noqa: E402
 
 
 def real_and_noise(batch):
@@ -147,15 +123,6 @@ def test_gan_checkpoint_holds_both_optimizers_and_resumes_exactly(tmp_path, two_
 
 
 def test_towers_draw_their_own_noise_also_after_generate(two_towers):
-    class NoiseProbe(kt.GANTrainer):
-        def run_step(self):
-            self.model.generate(4)   # a plain call, e.g. to look at samples
-            return self.first_noise(self.next_batches())
-
-        @kt.Trainer.tower_function(reduce=None)
-        def first_noise(self, data):
-            return {"noise": self.model.sample_noise(data)[0, 0]}
-
     real = tf.data.Dataset.from_tensor_slices(np.ones((64, 3), "float32")).repeat().batch(4)
     seen = []
 

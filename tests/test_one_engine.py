@@ -8,24 +8,10 @@ import tensorflow as tf
 
 import kerastower as kt
 from conftest import TWO
-from test_trainers import EventLog
-
-
-class Hooks(EventLog):
-    """test_trainers' recorder of every kt hook, for any step's outputs."""
-
-    def _after_run(self, outputs):
-        self._log("after_run")
-
-
-def _keras_recorder(events):
-    return keras.callbacks.LambdaCallback(
-        on_epoch_begin=lambda e, logs: events.append(("keras_epoch_begin", e)),
-        on_train_batch_begin=lambda b, logs: events.append(("keras_batch_begin", b)),
-        on_train_batch_end=lambda b, logs: events.append(("keras_batch_end", b)),
-        on_epoch_end=lambda e, logs: events.append(("keras_epoch_end", e, sorted(logs))),
-        on_train_end=lambda logs: events.append(("keras_train_end",)),
-    )
+from loop_cases import Hooks
+from loop_cases import check_counter_checkpoints_and_resumes
+from loop_cases import keras_recorder as _keras_recorder
+from loop_cases import check_trainer_hooks_match
 
 
 def _fit_events(fail_at=None):
@@ -40,60 +26,12 @@ def _fit_events(fail_at=None):
     return events
 
 
-class OneStepTrainer(kt.Trainer):
-    def _setup(self):
-        self.value = self.add_variable("value")
-
-    def run_step(self):
-        return self.hooked_run(self.step)
-
-    def step(self):
-        self.value.assign_add(1.0)
-        return {"loss": float(self.value.numpy())}
-
-
 def test_fit_and_trainer_call_the_hooks_in_the_same_order():
-    fit_events = _fit_events()
-    trainer_events = []
-    with kt.distributed("mirrored", devices=TWO):
-        trainer = OneStepTrainer()
-    trainer.train(callbacks=[Hooks(trainer_events), _keras_recorder(trainer_events)],
-                  steps_per_epoch=3, max_epoch=2, verbose=0)
-    assert trainer_events == fit_events
-    # The sequence itself: tensorpack's loop.
-    kt_only = [e for e in fit_events if not e[0].startswith("keras")]
-    expected = [("before_train", 0, 0, 0)]
-    for epoch in (1, 2):
-        expected.append(("before_epoch", epoch, 0, 3 * (epoch - 1)))
-        for step in range(3):
-            done = 3 * (epoch - 1) + step
-            expected += [("before_run", epoch, step, done), ("after_run", epoch, step, done),
-                         ("trigger_step", epoch, step + 1, done + 1)]
-        expected += [("after_epoch", epoch, 3, 3 * epoch), ("trigger_epoch", epoch, 3, 3 * epoch)]
-    expected.append(("after_train", 2, 3, 6))
-    assert kt_only == expected
+    check_trainer_hooks_match(_fit_events(), TWO)
 
 
 def test_a_trainer_without_a_model_checkpoints_and_resumes_its_state(tmp_path):
-    ckpt = str(tmp_path / "ckpt")
-
-    class Counter(kt.Trainer):
-        def _setup(self):
-            self.count = self.add_variable("count")
-
-        def run_step(self):
-            self.count.assign_add(self.global_step + 1.0)
-            return {"count": float(self.count.numpy())}
-
-    first = Counter()
-    first.train(callbacks=[kt.callbacks.ModelSaver(ckpt)], steps_per_epoch=3, max_epoch=2, verbose=0)
-    assert float(first.count.numpy()) == sum(range(1, 7))
-    resumed = Counter()
-    history = resumed.train(callbacks=[kt.callbacks.AutoResume(ckpt), kt.callbacks.ModelSaver(ckpt)],
-                            steps_per_epoch=3, max_epoch=3, verbose=0)
-    assert resumed.global_step == 9
-    assert float(resumed.count.numpy()) == sum(range(1, 10))
-    assert history.history["count"] == [pytest.approx((28 + 36 + 45) / 3)]
+    check_counter_checkpoints_and_resumes(str(tmp_path / "ckpt"))
 
 
 def test_a_failing_step_runs_kt_after_train_but_not_keras_on_train_end():

@@ -11,6 +11,8 @@ import tensorflow as tf
 
 import kerastower as kt
 from conftest import TWO
+from loop_cases import EventLog
+from loop_cases import Hooks
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples"))
 from kmeans_digits import KMeans  # noqa: E402
@@ -21,41 +23,6 @@ class Counter(kt.TowerModel):
     def __init__(self, **kwargs):
         super().__init__(**kwargs)
         self.total = self.add_weight(shape=(), initializer="zeros", trainable=False)
-
-
-class EventLog(kt.callbacks.Callback):
-    """Records every kt hook, with where the loop was."""
-
-    def __init__(self, events):
-        super().__init__()
-        self.events = events
-
-    def _log(self, name, *extra):
-        self.events.append((name, self.epoch_num, self.local_step, self.global_step) + extra)
-
-    def _before_train(self):
-        self._log("before_train")
-
-    def _before_epoch(self):
-        self._log("before_epoch")
-
-    def _before_run(self):
-        self._log("before_run")
-
-    def _after_run(self, outputs):
-        self._log("after_run", outputs["value"])
-
-    def _trigger_step(self):
-        self._log("trigger_step")
-
-    def _after_epoch(self):
-        self._log("after_epoch")
-
-    def _trigger_epoch(self):
-        self._log("trigger_epoch")
-
-    def _after_train(self):
-        self._log("after_train")
 
 
 class KerasLog(keras.callbacks.Callback):
@@ -427,7 +394,7 @@ def test_kmeans_resumes_from_a_checkpoint(tmp_path):
     # A new process would build a new model and trainer: so do we.
     events = []
     resumed, resumed_history = kmeans_run(
-        TWO, 16, epochs=3, checkpoint_dir=str(tmp_path), callbacks=[EventLogNoValue(events)]
+        TWO, 16, epochs=3, checkpoint_dir=str(tmp_path), callbacks=[Hooks(events)]
     )
     assert resumed.global_step == straight.global_step == 24
     assert events[:2] == [("before_train", 0, 0, 8), ("before_epoch", 2, 0, 8)]
@@ -443,13 +410,8 @@ def test_resume_with_another_epoch_length_goes_on_from_the_input_position(tmp_pa
     events = []
     with kt.distributed("mirrored", devices=TWO):
         trainer = MiniBatchKMeansTrainer(KMeans(points[[0, 1, 2, 3]] + 1.0), kt.DatasetInput(data))
-        trainer.train([kt.callbacks.AutoResume(str(tmp_path)), EventLogNoValue(events)],
+        trainer.train([kt.callbacks.AutoResume(str(tmp_path)), Hooks(events)],
                       steps_per_epoch=5, max_epoch=4, verbose=0)
     # Epochs 1-2 are done; 3 and 4 run, 5 steps each, from batch 16 of each tower on.
     assert [e[1] for e in events if e[0] == "before_epoch"] == [3, 4]
     assert trainer.global_step == 26 and trainer.loop.tower_batches == [26, 26]
-
-
-class EventLogNoValue(EventLog):
-    def _after_run(self, outputs):
-        self._log("after_run")

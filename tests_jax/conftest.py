@@ -4,8 +4,11 @@ Run by scripts/test-jax.sh (a process of their own: the backend is chosen
 once per process, and tests/ runs on TensorFlow)."""
 
 import os
+import sys
 
 os.environ["KERAS_BACKEND"] = "jax"
+# tests/loop_cases.py is backend-neutral: the trainer tests of both backends share it.
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tests"))
 os.environ["XLA_FLAGS"] = (
     os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=4").strip()
 

@@ -10,53 +10,15 @@ import numpy as np
 import pytest
 
 import kerastower as kt
+from loop_cases import Hooks
+from loop_cases import NoiseFromInput
+from loop_cases import NoiseProbe
+from loop_cases import check_counter_checkpoints_and_resumes
+from loop_cases import keras_recorder as _keras_recorder
+from loop_cases import check_trainer_hooks_match
+from loop_cases import tiny_gan
 
 ONE, TWO, FOUR = (jax.devices()[:n] for n in (1, 2, 4))
-
-
-class Hooks(kt.callbacks.Callback):
-    """Every kt hook, with where the loop was."""
-
-    def __init__(self, events):
-        super().__init__()
-        self.events = events
-
-    def _log(self, name):
-        self.events.append((name, self.epoch_num, self.local_step, self.global_step))
-
-    def _before_train(self):
-        self._log("before_train")
-
-    def _before_epoch(self):
-        self._log("before_epoch")
-
-    def _before_run(self):
-        self._log("before_run")
-
-    def _after_run(self, outputs):
-        self._log("after_run")
-
-    def _trigger_step(self):
-        self._log("trigger_step")
-
-    def _after_epoch(self):
-        self._log("after_epoch")
-
-    def _trigger_epoch(self):
-        self._log("trigger_epoch")
-
-    def _after_train(self):
-        self._log("after_train")
-
-
-def _keras_recorder(events):
-    return keras.callbacks.LambdaCallback(
-        on_epoch_begin=lambda e, logs: events.append(("keras_epoch_begin", e)),
-        on_train_batch_begin=lambda b, logs: events.append(("keras_batch_begin", b)),
-        on_train_batch_end=lambda b, logs: events.append(("keras_batch_end", b)),
-        on_epoch_end=lambda e, logs: events.append(("keras_epoch_end", e, sorted(logs))),
-        on_train_end=lambda logs: events.append(("keras_train_end",)),
-    )
 
 
 def endless(batches):
@@ -65,7 +27,7 @@ def endless(batches):
 
 
 def test_fit_and_the_trainer_call_the_hooks_in_the_same_order():
-    fit_events, trainer_events = [], []
+    fit_events = []
     with kt.distributed("mirrored", devices=TWO):
         inputs = keras.Input((2,))
         model = kt.TowerModel(inputs, keras.layers.Dense(1)(inputs))
@@ -74,52 +36,11 @@ def test_fit_and_the_trainer_call_the_hooks_in_the_same_order():
         model.fit(data, steps_per_epoch=3, epochs=2, verbose=0,
                   callbacks=[Hooks(fit_events), _keras_recorder(fit_events)])
 
-    class OneStep(kt.Trainer):
-        def _setup(self):
-            self.value = self.add_variable("value")
-
-        def run_step(self):
-            return self.hooked_run(self.step)
-
-        def step(self):
-            self.value.assign_add(1.0)
-            return {"loss": float(self.value.numpy())}
-
-    with kt.distributed("mirrored", devices=TWO):
-        trainer = OneStep()
-    trainer.train(callbacks=[Hooks(trainer_events), _keras_recorder(trainer_events)],
-                  steps_per_epoch=3, max_epoch=2, verbose=0)
-    assert trainer_events == fit_events
-    expected = [("before_train", 0, 0, 0)]
-    for epoch in (1, 2):
-        done = 3 * (epoch - 1)
-        expected.append(("before_epoch", epoch, 0, done))
-        for step in range(3):
-            expected += [("before_run", epoch, step, done + step), ("after_run", epoch, step, done + step),
-                         ("trigger_step", epoch, step + 1, done + step + 1)]
-        expected += [("after_epoch", epoch, 3, 3 * epoch), ("trigger_epoch", epoch, 3, 3 * epoch)]
-    assert [e for e in fit_events if not e[0].startswith("keras")] == expected + [("after_train", 2, 3, 6)]
+    check_trainer_hooks_match(fit_events, TWO)
 
 
 def test_a_trainer_without_a_model_checkpoints_and_resumes_its_state(tmp_path):
-    ckpt = str(tmp_path / "ckpt")
-
-    class Counter(kt.Trainer):
-        def _setup(self):
-            self.count = self.add_variable("count")
-
-        def run_step(self):
-            self.count.assign_add(self.global_step + 1.0)
-            return {"count": float(self.count.numpy())}
-
-    first = Counter()
-    first.train(callbacks=[kt.callbacks.ModelSaver(ckpt)], steps_per_epoch=3, max_epoch=2, verbose=0)
-    resumed = Counter()
-    history = resumed.train(callbacks=[kt.callbacks.AutoResume(ckpt), kt.callbacks.ModelSaver(ckpt)],
-                            steps_per_epoch=3, max_epoch=3, verbose=0)
-    assert resumed.global_step == 9
-    assert float(resumed.count.numpy()) == sum(range(1, 10))
-    assert history.history["count"] == [pytest.approx((28 + 36 + 45) / 3)]
+    check_counter_checkpoints_and_resumes(str(tmp_path / "ckpt"))
 
 
 class Probe(kt.Trainer):
@@ -316,29 +237,6 @@ def test_kmeans_on_towers_equals_one_device_and_resumes_exactly(tmp_path):
     assert resumed_logs["inertia"] == two_logs["inertia"][1:]
 
 
-class NoiseFromInput(kt.GANModel):
-    """Takes its noise from the input, (real, noise): runs with any number
-    of towers see the same numbers."""
-
-    def real_samples(self, data):
-        return data[0]
-
-    def sample_noise(self, data):
-        return data[1]
-
-
-def tiny_gan(cls=kt.GANModel):
-    keras.utils.set_random_seed(7)
-    generator = keras.Sequential(
-        [keras.Input((4,)), keras.layers.Dense(8, activation="relu"), keras.layers.Dense(3)])
-    discriminator = keras.Sequential(
-        [keras.Input((3,)), keras.layers.Dense(8, activation="relu"), keras.layers.Dense(1)])
-    gan = cls(generator, discriminator, seed=3)
-    gan.compile(g_optimizer=keras.optimizers.Adam(1e-2, beta_1=0.5),
-                d_optimizer=keras.optimizers.SGD(0.1, momentum=0.9))
-    return gan
-
-
 def real_and_noise(batch, with_noise=True):
     rng = np.random.default_rng(0)
     real = rng.normal(2.0, 0.5, (512, 3)).astype("float32")
@@ -390,15 +288,6 @@ def test_gan_checkpoint_holds_both_optimizers_and_resumes_exactly(tmp_path):
 
 
 def test_towers_draw_their_own_noise():
-    class NoiseProbe(kt.GANTrainer):
-        def run_step(self):
-            self.model.generate(4)   # a plain call, e.g. to look at samples
-            return self.first_noise(self.next_batches())
-
-        @kt.Trainer.tower_function(reduce=None)
-        def first_noise(self, data):
-            return {"noise": self.model.sample_noise(data)[0, 0]}
-
     seen = []
 
     class Keep(keras.callbacks.Callback):
