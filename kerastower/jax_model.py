@@ -18,6 +18,7 @@ with kt.distributed("mirrored"):          # every local JAX device
 ```
 """
 
+import contextlib
 import itertools
 
 import keras
@@ -126,6 +127,20 @@ class TowerModel(keras.Model):
         super().reset_metrics()
         for engine in self._engines.values():
             engine.reset_metrics()
+
+    @contextlib.contextmanager
+    def training_metrics_kept(self):
+        """Puts the training metrics back as they were after the block
+        (an evaluation in the middle of training resets them)."""
+        variables = [np.asarray(v.value) for v in self.metrics_variables]
+        engines = {n: engine.metric_values() for n, engine in self._engines.items()}
+        try:
+            yield
+        finally:
+            for variable, value in zip(self.metrics_variables, variables):
+                variable.assign(value)
+            for n, values in engines.items():
+                self._engines[n].restore_metric_values(values)
 
     def make_train_function(self, force=False):
         return self.engine()

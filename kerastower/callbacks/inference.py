@@ -26,13 +26,13 @@ are those of training alone.
 
 import contextlib
 
+import keras
 import numpy as np
 
 from kerastower._tf import tf
 from kerastower import _compat
 from kerastower.callbacks.base import Callback
-from kerastower.inputs import InputSource
-from kerastower.inputs import as_input_source
+from kerastower.strategies import _on_jax
 
 __all__ = ["InferenceRunner", "Inferencer", "ScalarStats", "ClassificationError"]
 
@@ -118,19 +118,23 @@ class ClassificationError(Inferencer):
         self.summary_name = summary_name
 
     def _batch_sums(self, y, y_pred, sample_weight):
-        y_pred = tf.convert_to_tensor(y_pred)
-        predicted = tf.argmax(y_pred, axis=-1, output_type=tf.int64)
-        labels = tf.convert_to_tensor(y)
-        if labels.shape.rank == y_pred.shape.rank and y_pred.shape[-1] != 1:
-            labels = tf.argmax(labels, axis=-1, output_type=tf.int64)
-        labels = tf.reshape(tf.cast(labels, tf.int64), tf.shape(predicted))
+        ops = keras.ops
+        # float64 for exact counts; JAX computes in float32 (its x64 is off),
+        # exact up to 2**24 examples a batch, and the totals add up in float64.
+        exact = "float32" if _on_jax() else "float64"
+        y_pred = ops.convert_to_tensor(y_pred)
+        predicted = ops.cast(ops.argmax(y_pred, axis=-1), "int32")
+        labels = ops.convert_to_tensor(y)
+        if len(labels.shape) == len(y_pred.shape) and y_pred.shape[-1] != 1:
+            labels = ops.argmax(labels, axis=-1)
+        labels = ops.reshape(ops.cast(labels, "int32"), ops.shape(predicted))
         weights = (
-            tf.ones_like(predicted, tf.float64)
+            ops.ones_like(predicted, exact)
             if sample_weight is None
-            else tf.reshape(tf.cast(sample_weight, tf.float64), tf.shape(predicted))
+            else ops.reshape(ops.cast(sample_weight, exact), ops.shape(predicted))
         )
-        wrong = tf.cast(tf.not_equal(predicted, labels), tf.float64)
-        return {"wrong": tf.reduce_sum(wrong * weights), "total": tf.reduce_sum(weights)}
+        wrong = ops.cast(ops.not_equal(predicted, labels), exact)
+        return {"wrong": ops.sum(wrong * weights), "total": ops.sum(weights)}
 
     def _results(self, sums):
         return {self.summary_name: float(sums["wrong"] / max(sums["total"], 1e-12))}
@@ -147,6 +151,10 @@ def _any_batch_size(spec):
 def _training_metrics_kept(model):
     """Puts every metric variable back as it was, each tower's copy, after
     the block: evaluate resets the metrics the training logs are read from."""
+    if _on_jax():
+        with model.training_metrics_kept():
+            yield
+        return
     strategy = model.tower_strategy
     copies = [
         copy
@@ -196,12 +204,7 @@ class InferenceRunner(Callback):
 
     def __init__(self, source, inferencers, batch_size=None):
         super().__init__()
-        if isinstance(source, (tuple, list)) and not isinstance(source, InputSource):
-            x, y, sample_weight = _compat.unpack_x_y_sample_weight(tuple(source))
-            source = as_input_source(x, y, sample_weight, batch_size)
-        else:
-            source = as_input_source(source, batch_size=batch_size)
-        self.source = source
+        self.source = _JaxSource(source, batch_size) if _on_jax() else _tf_source(source, batch_size)
         self.inferencers = list(inferencers)
         for inferencer in self.inferencers:
             if not isinstance(inferencer, Inferencer):
@@ -217,7 +220,7 @@ class InferenceRunner(Callback):
         counters = [i for i in self.inferencers if not isinstance(i, ScalarStats)]
         if stats:
             with _training_metrics_kept(self.model):
-                values = self.model.evaluate(self.source, verbose=0, return_dict=True)
+                values = self.model.evaluate(**self._evaluate_arguments(), verbose=0, return_dict=True)
             for inferencer in stats:
                 for name in inferencer.names:
                     if name not in values:
@@ -233,8 +236,17 @@ class InferenceRunner(Callback):
         if self.logs is not None:
             self.logs.update(self.results)
 
+    def _evaluate_arguments(self):
+        source = self.source
+        if isinstance(source, _JaxSource):
+            return {"x": source.x, "y": source.y, "batch_size": source.batch_size,
+                    "sample_weight": source.sample_weight}
+        return {"x": source}
+
     def _sums_over_source(self, counters):
         """Per-inferencer sums over every example of the source, all towers."""
+        if isinstance(self.source, _JaxSource):
+            return self.source.sums(self.model, counters)
         model = self.model
         strategy = model.tower_strategy
         model._build_for(self.source, with_targets=False)
@@ -265,3 +277,50 @@ class InferenceRunner(Callback):
         if totals is None:
             raise ValueError("InferenceRunner: the validation source gave no batch.")
         return totals
+
+
+def _tf_source(source, batch_size):
+    from kerastower.inputs import InputSource
+    from kerastower.inputs import as_input_source
+
+    if isinstance(source, (tuple, list)) and not isinstance(source, InputSource):
+        x, y, sample_weight = _compat.unpack_x_y_sample_weight(tuple(source))
+        return as_input_source(x, y, sample_weight, batch_size)
+    return as_input_source(source, batch_size=batch_size)
+
+
+class _JaxSource:
+    """What an InferenceRunner evaluates on JAX: `(x, y[, sample_weight])`
+    arrays (`batch_size` per tower), or a PyDataset or re-iterable of batches."""
+
+    def __init__(self, source, batch_size):
+        if isinstance(source, (tuple, list)):
+            self.x, self.y, self.sample_weight = _compat.unpack_x_y_sample_weight(tuple(source))
+            self.batch_size = batch_size or 32
+        else:
+            self.x, self.y, self.sample_weight, self.batch_size = source, None, None, None
+
+    def sums(self, model, counters):
+        """Each counter's sums over the source: every step's towers predict
+        their own batches (data-parallel, each example once), and the sums
+        are taken over the step's examples, in float64 across steps."""
+        batches = model._batches(self.x, self.y, self.sample_weight, self.batch_size)
+        model._build_from(batches)
+        totals = None
+        for step in batches.one_pass(model.num_towers):
+            y_pred = model.run_towers("predict", step)   # the towers' outputs, in tower order
+            _, y, sample_weight = (
+                None if parts[0] is None else keras.tree.map_structure(lambda *a: np.concatenate(a), *parts)
+                for parts in zip(*(_padded(batch) for batch in step)))
+            sums = [{k: np.float64(v) for k, v in c._batch_sums(y, y_pred, sample_weight).items()}
+                    for c in counters]
+            totals = sums if totals is None else [
+                {k: total[k] + part[k] for k in total} for total, part in zip(totals, sums)]
+        if totals is None:
+            raise ValueError("InferenceRunner: the validation source gave no batch.")
+        return totals
+
+
+def _padded(batch):
+    """`(x, y, sample_weight)`, with None for what the batch does not hold."""
+    return tuple(batch) + (None,) * (3 - len(batch))

@@ -111,6 +111,13 @@ class TowerSteps:
         """Every tower's metric variables start again from the model's."""
         self._tower_metrics = self._summed_metrics = None
 
+    def metric_values(self):
+        """What the towers' metrics hold, for `restore_metric_values`."""
+        return self._tower_metrics, self._summed_metrics
+
+    def restore_metric_values(self, values):
+        self._tower_metrics, self._summed_metrics = values
+
     def _metric_state(self):
         if self._tower_metrics is None:
             # Tower 0 holds what the model's metrics hold, the others zeros:
