@@ -2,13 +2,14 @@
 
 Each case: `build(optimizer)` makes a compiled kt.TowerModel, `data()` the
 fit arguments (x, y and maybe sample_weight, class_weight, validation_data)
-for STEPS steps of 2 x B examples. Imported by the in-process matrix and by
-the Horovod / multi-worker script, so it imports no conftest.
+for STEPS steps of 2 x B examples. Imported by the in-process matrix, by
+the Horovod / multi-worker script (so it imports no conftest) and by the
+JAX matrix (tests_jax/test_jax_equivalence.py: so it is backend-neutral,
+the keras.io custom step written for each backend as keras.io writes it).
 """
 
 import keras
 import numpy as np
-import tensorflow as tf
 from keras import ops
 
 import kerastower as kt
@@ -145,6 +146,8 @@ class KerasIoTrainStep(kt.TowerModel):
         return self.out(self.hidden(x))
 
     def train_step(self, data):
+        import tensorflow as tf
+
         x, y = data
         with tf.GradientTape() as tape:
             y_pred = self(x, training=True)
@@ -161,8 +164,47 @@ class KerasIoTrainStep(kt.TowerModel):
         return [self.loss_tracker, self.acc]
 
 
+class KerasIoJaxTrainStep(KerasIoTrainStep):
+    """The same model with keras.io's JAX custom train_step ("Customizing
+    what happens in fit() with JAX"): stateless, `compute_loss_and_updates`
+    differentiated with `jax.value_and_grad`, metrics updated statelessly."""
+
+    def call(self, x, training=False):
+        return self.out(self.hidden(x))
+
+    def compute_loss_and_updates(self, trainable_variables, non_trainable_variables, x, y, training=False):
+        y_pred, non_trainable_variables = self.stateless_call(
+            trainable_variables, non_trainable_variables, x, training=training)
+        return self.loss_fn(y, y_pred), (y_pred, non_trainable_variables)
+
+    def train_step(self, state, data):
+        import jax
+
+        trainable_variables, non_trainable_variables, optimizer_variables, metrics_variables = state
+        x, y = data
+        grad_fn = jax.value_and_grad(self.compute_loss_and_updates, has_aux=True)
+        (loss, (y_pred, non_trainable_variables)), grads = grad_fn(
+            trainable_variables, non_trainable_variables, x, y, training=True)
+        trainable_variables, optimizer_variables = self.optimizer.stateless_apply(
+            optimizer_variables, grads, trainable_variables)
+        new_metrics_variables, logs = [], []
+        for metric in self.metrics:
+            count = len(metric.variables)
+            values = metrics_variables[len(new_metrics_variables):len(new_metrics_variables) + count]
+            if metric.name == "loss":
+                values = metric.stateless_update_state(values, loss)
+            else:
+                values = metric.stateless_update_state(values, y, y_pred)
+            logs.append(metric.stateless_result(values))
+            new_metrics_variables += values
+        logs = {metric.name: result for metric, result in zip(self.metrics, logs)}
+        return logs, (trainable_variables, non_trainable_variables, optimizer_variables,
+                      new_metrics_variables)
+
+
 def keras_io_build(optimizer):
-    model = KerasIoTrainStep()
+    jax_step = keras.backend.backend() == "jax"
+    model = KerasIoJaxTrainStep() if jax_step else KerasIoTrainStep()
     model.compile(optimizer=optimizer)
     return model
 
