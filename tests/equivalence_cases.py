@@ -312,3 +312,27 @@ def fit_case(case, optimizer_name, batch_size, weights, epochs=2):
     history = model.fit(x, y, batch_size=batch_size, epochs=epochs, shuffle=False, verbose=0,
                         **fit_kwargs)
     return model, history.history
+
+
+def check_towers_equal_one_device(case, optimizer_name, devices, per_tower=B):
+    """Trains the case from one initial state on one device with batch
+    `len(devices) x per_tower` and on `devices` with `per_tower` a tower,
+    and compares the weights and every logged value."""
+    import kerastower as kt
+
+    initial = initial_weights(case)
+    with kt.distributed("single"):
+        one, one_logs = fit_case(case, optimizer_name, len(devices) * per_tower, initial)
+    with kt.distributed("mirrored", devices=devices):
+        many, many_logs = fit_case(case, optimizer_name, per_tower, initial)
+    moved = max(float(np.abs(a - w).max()) for a, w in zip(one.get_weights(), initial))
+    assert moved > 1e-3, "training must move the weights for the comparison to mean anything"
+    steps = int(one.optimizer.iterations.numpy())
+    assert int(many.optimizer.iterations.numpy()) == steps == 2 * N // (len(devices) * per_tower)
+    atol = TOLERANCE.get(case, 1e-5)
+    for a, b, w in zip(one.get_weights(), many.get_weights(), one.weights):
+        np.testing.assert_allclose(b, a, atol=atol, err_msg=f"{case}/{optimizer_name}: {w.path}")
+    assert sorted(one_logs) == sorted(many_logs)
+    for key in one_logs:
+        np.testing.assert_allclose(many_logs[key], one_logs[key], atol=atol,
+                                   err_msg=f"{case}/{optimizer_name}: logged {key}")

@@ -11,18 +11,13 @@ on 4): a model's own tracker that counts one update per tower (a
 (docs/jax.md); test_jax_towers.py checks that step's update.
 """
 
-import keras
-import numpy as np
 import pytest
 
-import kerastower as kt
 from equivalence_cases import B
 from equivalence_cases import CASES
 from equivalence_cases import N
 from equivalence_cases import OPTIMIZERS
-from equivalence_cases import TOLERANCE
-from equivalence_cases import fit_case
-from equivalence_cases import initial_weights
+from equivalence_cases import check_towers_equal_one_device
 
 
 # masked_sequence's data gives 8-row batches equal real-token counts, the
@@ -35,18 +30,4 @@ MATRIX = [(case, optimizer, towers) for towers in (2, 4) for case in sorted(CASE
 @pytest.mark.parametrize("case,optimizer_name,towers", MATRIX)
 def test_towers_equal_one_device(case, optimizer_name, towers):
     per_tower = B if towers == 2 else N // (towers * 2)   # whole steps: 3 of 2 x 8, 2 of 4 x 6
-    initial = initial_weights(case)
-    with kt.distributed("single"):
-        one, one_logs = fit_case(case, optimizer_name, towers * per_tower, initial)
-    with kt.distributed("mirrored", devices=list(range(towers))):
-        many, many_logs = fit_case(case, optimizer_name, per_tower, initial)
-    moved = max(float(np.abs(a - w).max()) for a, w in zip(one.get_weights(), initial))
-    assert moved > 1e-3, "training must move the weights for the comparison to mean anything"
-    assert int(one.optimizer.iterations.numpy()) == int(many.optimizer.iterations.numpy()) > 0
-    atol = TOLERANCE.get(case, 1e-5)
-    for a, b, w in zip(one.get_weights(), many.get_weights(), one.weights):
-        np.testing.assert_allclose(b, a, atol=atol, err_msg=f"{case}/{optimizer_name}: {w.path}")
-    assert sorted(one_logs) == sorted(many_logs)
-    for key in one_logs:
-        np.testing.assert_allclose(many_logs[key], one_logs[key], atol=atol,
-                                   err_msg=f"{case}/{optimizer_name}: logged {key}")
+    check_towers_equal_one_device(case, optimizer_name, list(range(towers)), per_tower)
