@@ -284,8 +284,9 @@ def _active():
 
 
 def is_explicit():
-    """True inside `kt.distributed` or a `tf.distribute` strategy scope."""
-    return bool(_active()) or tf.distribute.has_strategy()
+    """True inside `kt.distributed` or a `tf.distribute` strategy scope (on
+    JAX there is none: TensorFlow is not asked, nor imported)."""
+    return bool(_active()) or (not _on_jax() and tf.distribute.has_strategy())
 
 
 def current_strategy():

@@ -5,6 +5,8 @@ Backend-neutral (Keras and kerastower only): tests/ imports it on
 TensorFlow, tests_jax/ on JAX.
 """
 
+import time
+
 import keras
 import pytest
 
@@ -167,3 +169,26 @@ def check_counter_checkpoints_and_resumes(checkpoint_dir):
     assert resumed.global_step == 9
     assert float(resumed.count.numpy()) == sum(range(1, 10))
     assert history.history["count"] == [pytest.approx((28 + 36 + 45) / 3)]
+
+
+def resumable_run(checkpoint_dir, slow, devices, seconds_a_step):
+    """The resume scripts' model and callbacks, made on `devices`: Dense,
+    Dropout and BatchNormalization with Adam, AutoResume and a ModelSaver
+    every 2 steps (and with `slow`, a sleep after every step, so that a
+    test can kill the run mid-epoch). Returns (model, callbacks, the AutoResume)."""
+
+    class Slow(keras.callbacks.Callback):
+        def on_train_batch_end(self, batch, logs=None):
+            time.sleep(seconds_a_step)
+
+    with kt.distributed("mirrored", devices=devices):
+        inputs = keras.Input((6,))
+        h = keras.layers.Dense(16, activation="relu")(inputs)
+        h = keras.layers.Dropout(0.25)(h)
+        h = keras.layers.BatchNormalization()(h)
+        model = kt.TowerModel(inputs, keras.layers.Dense(3)(h))
+        model.compile(optimizer=keras.optimizers.Adam(0.01),
+                      loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    resume = kt.callbacks.AutoResume(checkpoint_dir)
+    callbacks = [resume, kt.callbacks.PeriodicTrigger(kt.callbacks.ModelSaver(checkpoint_dir), every_k_steps=2)]
+    return model, callbacks + ([Slow()] if slow else []), resume

@@ -7,7 +7,6 @@
 
 import os
 import sys
-import time
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
@@ -22,7 +21,7 @@ tf.config.experimental.enable_op_determinism()
 import keras  # noqa: E402
 import numpy as np  # noqa: E402
 
-import kerastower as kt  # noqa: E402
+from loop_cases import resumable_run  # noqa: E402
 
 
 def main(ckpt_dir, out, slow):
@@ -32,24 +31,8 @@ def main(ckpt_dir, out, slow):
     y = rng.integers(0, 3, 60).astype("int32")
     dataset = tf.data.Dataset.from_tensor_slices((x, y)).shuffle(60, seed=3).batch(4).repeat()
 
-    class Slow(keras.callbacks.Callback):
-        def on_train_batch_end(self, batch, logs=None):
-            time.sleep(0.4)
-
-    with kt.distributed("mirrored", devices=["/cpu:0", "/cpu:1"]):
-        inputs = keras.Input((6,))
-        h = keras.layers.Dense(16, activation="relu")(inputs)
-        h = keras.layers.Dropout(0.25)(h)
-        h = keras.layers.BatchNormalization()(h)
-        model = kt.TowerModel(inputs, keras.layers.Dense(3)(h))
-        model.compile(optimizer=keras.optimizers.Adam(0.01),
-                      loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
-        resume = kt.callbacks.AutoResume(ckpt_dir)
-        callbacks = [
-            resume,
-            kt.callbacks.PeriodicTrigger(kt.callbacks.ModelSaver(ckpt_dir), every_k_steps=2),
-        ] + ([Slow()] if slow else [])
-        model.fit(dataset, steps_per_epoch=5, epochs=4, verbose=0, callbacks=callbacks)
+    model, callbacks, resume = resumable_run(ckpt_dir, slow, ["/cpu:0", "/cpu:1"], 0.4)
+    model.fit(dataset, steps_per_epoch=5, epochs=4, verbose=0, callbacks=callbacks)
     print("resumed from", resume.restored_from, flush=True)
     np.savez(out, *model.get_weights(), step=model.optimizer.iterations.numpy())
 

@@ -6,8 +6,8 @@
 Importing TensorFlow is refused: checkpoints on JAX must not need it.
 """
 
+import os
 import sys
-import time
 
 
 class RefuseTensorFlow:
@@ -26,6 +26,9 @@ import numpy as np  # noqa: E402
 
 import kerastower as kt  # noqa: E402
 
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tests"))
+from loop_cases import resumable_run  # noqa: E402
+
 
 def main(ckpt_dir, out, slow):
     keras.utils.set_random_seed(7)
@@ -33,25 +36,9 @@ def main(ckpt_dir, out, slow):
     x = rng.normal(size=(60, 6)).astype("float32")
     y = rng.integers(0, 3, 60).astype("int32")
 
-    class Slow(keras.callbacks.Callback):
-        def on_train_batch_end(self, batch, logs=None):
-            time.sleep(0.3)
-
-    with kt.distributed("mirrored", devices=jax.devices()[:2]):
-        inputs = keras.Input((6,))
-        h = keras.layers.Dense(16, activation="relu")(inputs)
-        h = keras.layers.Dropout(0.25)(h)
-        h = keras.layers.BatchNormalization()(h)
-        model = kt.TowerModel(inputs, keras.layers.Dense(3)(h))
-        model.compile(optimizer=keras.optimizers.Adam(0.01),
-                      loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
-        resume = kt.callbacks.AutoResume(ckpt_dir)
-        callbacks = [
-            resume,
-            kt.callbacks.PeriodicTrigger(kt.callbacks.ModelSaver(ckpt_dir), every_k_steps=2),
-        ] + ([Slow()] if slow else [])
-        # 60 examples, 2 towers x 4: 8 steps a pass (the last one short), shuffled.
-        model.fit(x, y, batch_size=4, epochs=3, shuffle=True, verbose=0, callbacks=callbacks)
+    model, callbacks, resume = resumable_run(ckpt_dir, slow, jax.devices()[:2], 0.3)
+    # 60 examples, 2 towers x 4: 8 steps a pass (the last one short), shuffled.
+    model.fit(x, y, batch_size=4, epochs=3, shuffle=True, verbose=0, callbacks=callbacks)
     print("resumed from", resume.restored_from, flush=True)
     print("tensorflow imported:", "tensorflow" in sys.modules, flush=True)
     np.savez(out, *model.get_weights(), step=model.optimizer.iterations.numpy())

@@ -37,8 +37,10 @@ SCRIPT = textwrap.dedent('''
             kt.callbacks.PeriodicTrigger(kt.callbacks.ScalarPrinter(), every_k_epochs=2),
         ]
         history = model.fit(x, y, batch_size=8, epochs=3, verbose=0, callbacks=callbacks)
-        evaluated = model.evaluate(x, y, batch_size=16, verbose=0, return_dict=True)
-        predicted = model.predict(x, batch_size=16, verbose=0)
+    # Outside the block too: the model's own strategy, TensorFlow not asked.
+    evaluated = model.evaluate(x, y, batch_size=16, verbose=0, return_dict=True)
+    predicted = model.predict(x, batch_size=16, verbose=0)
+    model.fit(x, y, batch_size=8, epochs=1, verbose=0)
     with kt.distributed("mirrored", devices=jax.devices()[:2]):
         gan = kt.GANModel(keras.Sequential([keras.Input((2,)), keras.layers.Dense(2)]),
                           keras.Sequential([keras.Input((2,)), keras.layers.Dense(1)]))
@@ -72,7 +74,7 @@ def test_fit_evaluate_predict_and_callbacks_run_with_tensorflow_refused(tmp_path
     assert run.returncode == 0, run.stderr[-3000:]
     result = json.loads(run.stdout.strip().splitlines()[-1])
     assert result["tensorflow_imported"] is False
-    assert result["steps"] == 12  # 64 examples, 2 towers x 8, 3 epochs
+    assert result["steps"] == 16  # 64 examples, 2 towers x 8, 3 epochs and 1 more
     assert result["loss"][-1] < result["loss"][0]
     assert abs(result["learning_rate"] - 0.01) < 1e-8
     assert set(result["evaluated"]) == {"loss", "mae"}
