@@ -1,7 +1,14 @@
 """The JAX backend's ratios: kt-JAX fit against a bare jitted step and stock Keras.
 
     KERAS_BACKEND=jax python benchmarks/jax_run.py [--steps 40] [--rounds 7]
-        [--models small_mlp,mlp,convnet] [--batch 64] [--towers 2] [--spe 8]
+        [--models small_mlp,mlp,convnet,resnet50] [--batch 64] [--towers 2] [--spe 8]
+        [--data-steps 64] [--dtype mixed_bfloat16]
+
+On a GPU, the ResNet-50 anchor (docs/performance.md says how to send Keras
+to a machine that has JAX only):
+
+    KERAS_BACKEND=jax python benchmarks/jax_run.py --models resnet50 --batch 256 \
+        --dtype mixed_bfloat16 --towers 1 --data-steps 4 --steps 30 --rounds 3
 
 The bare step is what a JAX user writes by hand: one `jax.jit` of the
 model's `stateless_call`, `jax.value_and_grad` and the optimizer's
@@ -68,8 +75,8 @@ def fit_runner(model, x, y, batch):
         x, y, batch_size=batch, steps_per_epoch=steps, epochs=1, verbose=0, callbacks=callbacks))
 
 
-def rows_for(build, batch, towers, steps, rounds, spe=8):
-    x, y = models.examples(build, 64 * batch * max(towers, 1))
+def rows_for(build, batch, towers, steps, rounds, spe=8, data_steps=64):
+    x, y = models.examples(build, data_steps * batch * max(towers, 1))
     # jit_compile=False would make stock Keras-JAX run its step eagerly;
     # kerastower's JAX step is always one jax.jit.
     with kt.distributed("single", devices=[0]):
@@ -116,20 +123,26 @@ def main():
     parser.add_argument("--batch", type=int, default=64)
     parser.add_argument("--towers", type=int, default=min(2, len(jax.devices())))
     parser.add_argument("--spe", type=int, default=8, help="steps_per_execution of the spe rows")
+    parser.add_argument("--data-steps", type=int, default=64,
+                        help="steps of distinct examples in the arrays (fewer for big images)")
+    parser.add_argument("--dtype", default="float32",
+                        help="Keras dtype policy, e.g. mixed_bfloat16 (the GPU anchor)")
     args = parser.parse_args()
     if keras.backend.backend() != "jax":
         raise SystemExit("Run with KERAS_BACKEND=jax.")
+    keras.mixed_precision.set_global_policy(args.dtype)
     devices = jax.devices()
     print(f"machine: {platform.processor() or platform.machine()}, {os.cpu_count()} cores, "
           f"{len(devices)} {devices[0].platform} device(s) ({devices[0].device_kind}); "
           f"Python {platform.python_version()}, JAX {jax.__version__}, Keras {keras.__version__}")
     print(f"{args.steps} timed steps x {args.rounds} rounds per runner, batch {args.batch} "
-          "per tower; medians of per-round ratios\n")
+          f"per tower, dtype policy {args.dtype}; medians of per-round ratios\n")
     print("| case | ratio | wall | CPU time | goal | detail |")
     print("|---|---|---|---|---|---|")
     for name in filter(None, args.models.split(",")):
         for case, what, wall, cpu, goal, detail in rows_for(
-                getattr(models, name), args.batch, args.towers, args.steps, args.rounds, args.spe):
+                getattr(models, name), args.batch, args.towers, args.steps, args.rounds, args.spe,
+                args.data_steps):
             met = "" if goal is None else f">= {goal}" + (" met" if wall >= goal else " NOT met")
             print(f"| {case} | {what} | {wall:.3f} | {cpu:.3f} | {met} | {detail} |", flush=True)
 

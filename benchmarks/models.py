@@ -1,9 +1,13 @@
 """The models the benchmarks train: each a function of the Model class."""
 
+import os
+
 import keras
 import numpy as np
 
 IMAGE = (32, 32, 3)
+# ResNet-50's images: 224 x 224 as on ImageNet; smaller to try it on a CPU.
+RESNET_IMAGE = (int(os.environ.get("KT_BENCH_RESNET_SIZE", "224")),) * 2 + (3,)
 FEATURES = 784
 SEQUENCE, WIDTH = 32, 64
 
@@ -44,8 +48,17 @@ def transformer(model_cls):
     return model_cls(inputs, keras.layers.Dense(10)(keras.layers.GlobalAveragePooling1D()(h)))
 
 
+def resnet50(model_cls):
+    """keras.applications' ResNet-50 (no weights), 10 classes, logits: the
+    GPU anchor's model (with `--dtype mixed_bfloat16`, batch 256)."""
+    base = keras.applications.ResNet50(weights=None, input_shape=RESNET_IMAGE, classes=10,
+                                       classifier_activation=None)
+    return model_cls(base.inputs, base.outputs)
+
+
 INPUT_SHAPES = {
     mlp: (FEATURES,), small_mlp: (FEATURES,), convnet: IMAGE, transformer: (SEQUENCE, WIDTH),
+    resnet50: RESNET_IMAGE,
 }
 
 
