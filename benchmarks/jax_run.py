@@ -8,7 +8,7 @@ On a GPU, the ResNet-50 anchor (docs/performance.md says how to send Keras
 to a machine that has JAX only):
 
     KERAS_BACKEND=jax python benchmarks/jax_run.py --models resnet50 --batch 256 \
-        --dtype mixed_bfloat16 --towers 1 --data-steps 4 --steps 30 --rounds 3
+        --dtype mixed_bfloat16 --towers 1 --data-steps 1 --steps 30 --rounds 3
 
 The bare step is what a JAX user writes by hand: one `jax.jit` of the
 model's `stateless_call`, `jax.value_and_grad` and the optimizer's
@@ -76,6 +76,8 @@ def fit_runner(model, x, y, batch):
 
 
 def rows_for(build, batch, towers, steps, rounds, spe=8, data_steps=64):
+    # Stock Keras fit stops where arrays end: they hold every step a fit takes.
+    data_steps = max(data_steps, harness.WARMUP + steps + spe)
     x, y = models.examples(build, data_steps * batch * max(towers, 1))
     # jit_compile=False would make stock Keras-JAX run its step eagerly;
     # kerastower's JAX step is always one jax.jit.
@@ -124,7 +126,7 @@ def main():
     parser.add_argument("--towers", type=int, default=min(2, len(jax.devices())))
     parser.add_argument("--spe", type=int, default=8, help="steps_per_execution of the spe rows")
     parser.add_argument("--data-steps", type=int, default=64,
-                        help="steps of distinct examples in the arrays (fewer for big images)")
+                        help="steps of examples in the arrays, at least those a fit takes")
     parser.add_argument("--dtype", default="float32",
                         help="Keras dtype policy, e.g. mixed_bfloat16 (the GPU anchor)")
     args = parser.parse_args()

@@ -35,6 +35,7 @@ from kerastower.loop import LoopState
 from kerastower.loop import MainLoop
 from kerastower.loop import check_strategy
 from kerastower.loop import training_callbacks
+from kerastower.model_common import TowerModelCommon
 
 __all__ = ["TowerModel"]
 
@@ -42,7 +43,7 @@ _FUNCTIONAL_TWINS = {}
 
 
 @keras.saving.register_keras_serializable(package="kerastower")
-class TowerModel(keras.Model):
+class TowerModel(TowerModelCommon, keras.Model):
     """A `keras.Model` that trains with tensorpack's tower semantics, on JAX.
 
     Under a strategy with N towers (`kt.distributed("mirrored")`), each
@@ -239,6 +240,16 @@ class TowerModel(keras.Model):
                 "predict() got no batch: the input is empty (or a generator already used up).")
         return keras.tree.map_structure(
             lambda *parts: np.concatenate([np.asarray(p) for p in parts], axis=0), *outputs)
+
+
+@keras.saving.register_keras_serializable(package="kerastower")
+class FunctionalTowerModel(TowerModel, _compat.functional_class()):
+    """What `kt.TowerModel(inputs, outputs)` makes on JAX: a functional
+    TowerModel, registered so that a saved one loads (as on TensorFlow,
+    where it has the same name)."""
+
+
+_FUNCTIONAL_TWINS[TowerModel] = FunctionalTowerModel
 
 
 def _shapes(step):

@@ -25,6 +25,7 @@ import keras
 import tensorflow as tf
 
 from kerastower import _compat
+from kerastower.model_common import TowerModelCommon
 from kerastower import arguments
 from kerastower import batch_checks
 from kerastower import strategies
@@ -54,7 +55,7 @@ class _StepCache:
 
 
 @keras.saving.register_keras_serializable(package="kerastower")
-class TowerModel(keras.Model):
+class TowerModel(TowerModelCommon, keras.Model):
     """A `keras.Model` that trains with tensorpack's tower semantics.
 
     Use it like `keras.Model`: functionally (`kt.TowerModel(inputs,
@@ -146,14 +147,6 @@ class TowerModel(keras.Model):
         self.tower_jit_compile = xla.resolve(self, jit_compile)
         self.tower_check_finite = arguments.boolean(check_finite, "check_finite", "compile")
         self._step_cache.read_logs = None  # it read the metrics compile replaced
-
-    def compile_from_config(self, config):
-        """Compiles a loaded model as Keras would; needed because `compile`
-        is overridden above."""
-        config = keras.saving.deserialize_keras_object(config)
-        self.compile(**config)
-        if self.optimizer is not None and self.built:
-            self.optimizer.build(self.trainable_variables)
 
     # ------------------------------------------------------------------
     # Tower functions: called once per tower, under a TowerContext.
@@ -378,19 +371,3 @@ class TowerModel(keras.Model):
         self._build_for(source, with_targets=False)
         callbacks = arguments.inference_callbacks(self, callbacks, verbose, steps, source)
         return inference_loops.predict_loop(self, source, steps, callbacks)
-
-    def _no_single_batch(self, method, instead):
-        raise NotImplementedError(
-            f"TowerModel.{method} is not supported: one batch cannot feed "
-            f"several towers without splitting it. Use {instead} with a "
-            "one-batch tf.data.Dataset instead."
-        )
-
-    def train_on_batch(self, *args, **kwargs):
-        self._no_single_batch("train_on_batch", "fit(..., steps_per_epoch=1)")
-
-    def test_on_batch(self, *args, **kwargs):
-        self._no_single_batch("test_on_batch", "evaluate(...)")
-
-    def predict_on_batch(self, *args, **kwargs):
-        self._no_single_batch("predict_on_batch", "predict(...)")

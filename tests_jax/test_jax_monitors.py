@@ -17,7 +17,10 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 import kerastower as kt
 from kerastower.callbacks.event_scalars import ScalarTensorBoard
 
-# A fresh process: this one may have imported TensorFlow already.
+# A fresh process: this one may have imported TensorFlow already. With
+# "refused", importing TensorFlow fails there; with "installed", it would
+# succeed, and must not happen either (tensorboard's own EventFileWriter
+# imports it whenever it can).
 SCRIPT = textwrap.dedent('''
     import json, sys
 
@@ -26,7 +29,8 @@ SCRIPT = textwrap.dedent('''
             if name.split(".")[0] in ("tensorflow", "horovod"):
                 raise ImportError(f"this test forbids importing {name}")
 
-    sys.meta_path.insert(0, RefuseTensorFlow())
+    if sys.argv[2] == "refused":
+        sys.meta_path.insert(0, RefuseTensorFlow())
     import jax, keras, numpy as np
     import kerastower as kt
 
@@ -50,9 +54,10 @@ def _scalars(folder):
             for tag in events.Tags()["scalars"]}
 
 
-def test_fit_with_a_logdir_writes_tensorboard_scalars_without_tensorflow(tmp_path):
+@pytest.mark.parametrize("tensorflow", ["refused", "installed"])
+def test_fit_with_a_logdir_writes_tensorboard_scalars_without_tensorflow(tmp_path, tensorflow):
     env = dict(os.environ, KERAS_BACKEND="jax")
-    run = subprocess.run([sys.executable, "-c", SCRIPT, str(tmp_path)], env=env,
+    run = subprocess.run([sys.executable, "-c", SCRIPT, str(tmp_path), tensorflow], env=env,
                          capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, run.stderr[-3000:]
     result = json.loads(run.stdout.strip().splitlines()[-1])

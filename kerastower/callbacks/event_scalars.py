@@ -2,7 +2,9 @@
 
 Keras's TensorBoard callback writes through `tf.summary`, so on the JAX
 backend it needs TensorFlow. This one writes the same files with
-tensorboard's own event writer: `log_dir/train` holds `batch_<name>` at
+tensorboard's own record format (`_EventFile`: not its EventFileWriter,
+which goes through `tf.io.gfile` and so imports TensorFlow whenever it is
+installed; a local folder is what it writes to): `log_dir/train` holds `batch_<name>` at
 every global step (`model.loop.global_step`) and `epoch_<name>` at every
 epoch, `log_dir/validation` the epoch's `val_` values as `epoch_<name>`;
 the learning rate is `epoch_learning_rate`. It writes scalars only (no
@@ -22,6 +24,7 @@ Examples:
 """
 
 import os
+import socket
 import time
 
 import keras
@@ -87,12 +90,11 @@ class ScalarTensorBoard(keras.callbacks.Callback):
             return
         from tensorboard.compat.proto import event_pb2
         from tensorboard.compat.proto import summary_pb2
-        from tensorboard.summary.writer.event_file_writer import EventFileWriter
 
         path = os.path.join(self.log_dir, folder)
         try:
             if folder not in self._writers:
-                self._writers[folder] = EventFileWriter(path)
+                self._writers[folder] = _EventFile(path)
             summary = summary_pb2.Summary(value=[
                 summary_pb2.Summary.Value(tag=tag, simple_value=value)
                 for tag, value in sorted(scalars.items())])
@@ -137,3 +139,25 @@ class ScalarTensorBoard(keras.callbacks.Callback):
                 self._failures.failed(error, self.log_dir)
         self._writers = {}
 
+
+class _EventFile:
+    """One TensorBoard events file in a local `folder`: tensorboard's record
+    format (length, checksums, a serialized Event), written in this thread."""
+
+    def __init__(self, folder):
+        from tensorboard.compat.proto import event_pb2
+        from tensorboard.summary.writer.record_writer import RecordWriter
+
+        os.makedirs(folder, exist_ok=True)
+        name = f"events.out.tfevents.{int(time.time()):010d}.{socket.gethostname()}.{os.getpid()}.0.v2"
+        self._records = RecordWriter(open(os.path.join(folder, name), "wb"))
+        self.add_event(event_pb2.Event(wall_time=time.time(), file_version="brain.Event:2"))
+
+    def add_event(self, event):
+        self._records.write(event.SerializeToString())
+
+    def flush(self):
+        self._records.flush()
+
+    def close(self):
+        self._records.close()

@@ -142,8 +142,9 @@ class TowerSteps:
     # variable back after every step cost more than a small model's step.
     def _variable_lists(self):
         model = self.model
+        optimizer = getattr(model, "optimizer", None)  # predict needs no compile()
         return (model.trainable_variables, model.non_trainable_variables,
-                model.optimizer.variables)
+                [] if optimizer is None else optimizer.variables)
 
     def _current_state(self):
         """What the towers hold, else the model's variables (not kept: the
