@@ -73,3 +73,11 @@ def test_a_mid_epoch_evaluation_leaves_the_training_logs_alone():
     for key in ("loss", "accuracy"):
         np.testing.assert_allclose(with_runner[key], plain[key], atol=1e-6)
     assert set(runner.results) == {"val_loss"}   # it ran; mid-epoch, into that step's logs
+
+
+def test_class_indices_of_shape_n_by_1_are_labels_not_one_hot():
+    xv, yv, _ = _data(40, 1)
+    runner = kt.callbacks.InferenceRunner((xv, yv[:, None]), [kt.callbacks.ClassificationError()])
+    model, history = _fit([runner])
+    wrong = np.argmax(model.predict(xv, batch_size=40, verbose=0), axis=-1) != yv
+    assert history["val_error"][-1] == pytest.approx(float(wrong.mean()), abs=1e-6)

@@ -103,3 +103,15 @@ def test_update_freq_and_a_log_dir_that_cannot_be_written(tmp_path):
     assert len(messages) == 1 and "a_file" in messages[0]
     with pytest.raises(kt.ArgumentError):
         kt.callbacks.TensorBoard(str(tmp_path), update_freq=0)
+
+
+def test_two_writers_of_one_folder_keep_a_file_each(tmp_path):
+    x, y = np.ones((16, 3), "float32"), np.ones((16, 1), "float32")
+    model = _model()
+    # Both open their files at the same step, within the same second.
+    model.fit(x, y, batch_size=4, epochs=1, verbose=0,
+              callbacks=[kt.callbacks.TensorBoard(str(tmp_path), update_freq="epoch") for _ in range(2)])
+    files = sorted(os.listdir(tmp_path / "train"))
+    assert len(files) == 2, files
+    for name in files:
+        assert [s for s, _ in _scalars(str(tmp_path / "train" / name))["epoch_loss"]] == [0]

@@ -47,3 +47,29 @@ def test_check_finite_false_applies_the_step():
     model.fit(x_bad, y, batch_size=4, shuffle=False, verbose=0)
     assert model.loop.global_step == 4
     assert not np.isfinite(model.get_weights()[0]).all()
+
+
+def _batchnorm_model(steps_per_execution, weights=None):
+    with kt.distributed("mirrored", devices=[0, 1]):
+        inputs = keras.Input((3,))
+        model = kt.TowerModel(inputs, keras.layers.Dense(1)(keras.layers.BatchNormalization()(inputs)))
+        model.compile(optimizer=keras.optimizers.SGD(0.1), loss="mse",
+                      steps_per_execution=steps_per_execution)
+    if weights is not None:
+        model.set_weights(weights)
+    return model
+
+
+@pytest.mark.parametrize("steps_per_execution", [1, 4])
+def test_a_nonfinite_step_leaves_batchnorm_statistics_as_they_were(steps_per_execution):
+    x, y, _ = _data()
+    x_bad = x.copy()
+    x_bad[9] = np.inf   # step 2 (examples 8-15), tower 0 (8-11), whose statistics are kept
+    model = _batchnorm_model(steps_per_execution)
+    start = model.get_weights()
+    with pytest.raises(kt.NonFiniteError):
+        model.fit(x_bad, y, batch_size=4, shuffle=False, verbose=0)
+    reference = _batchnorm_model(1, start)
+    reference.fit(x[:8], y[:8], batch_size=4, shuffle=False, verbose=0)   # the good step alone
+    for got, want in zip(model.get_weights(), reference.get_weights()):
+        np.testing.assert_allclose(got, want, atol=1e-6)

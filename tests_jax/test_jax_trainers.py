@@ -351,3 +351,86 @@ def test_trainer_errors_on_jax_say_what_to_do():
 
     with pytest.raises(kt.KerasTowerError, match=r"apply\(grads, variables\)"):
         NoVariables(model, _regression_batches(4)).train(steps_per_epoch=1, verbose=0)
+
+
+class ActivityRegularized(Linear):
+    """Linear with an activity regularizer: a loss the layer adds while called."""
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.penalty = keras.layers.ActivityRegularization(l2=0.1)
+
+    def call(self, x, training=False):
+        return self.penalty(self.dense(x))
+
+
+class PenalizedTrainer(RegressionTrainer):
+    @kt.Trainer.tower_function
+    def fit_batch(self, batch):
+        x, y = batch
+        ctx = kt.get_current_tower_context()
+
+        def loss():
+            mse = keras.ops.mean(keras.ops.square(self.model(x, training=True) - y))
+            self.penalties = len(self.model.losses)   # the activity regularizer's, while traced
+            return mse + keras.ops.sum(self.model.losses)
+
+        return {"loss": kt.minimize(self.model.optimizer, loss, self.model.trainable_variables),
+                "share": ctx.example_weight}
+
+
+def test_model_losses_and_the_example_share_inside_a_tower_function():
+    results = []
+    for devices, per_tower in ((ONE, 8), (TWO, 4)):
+        keras.utils.set_random_seed(5)
+        with kt.distributed("mirrored", devices=devices):
+            model = ActivityRegularized()
+            model.compile(optimizer="sgd")
+            trainer = PenalizedTrainer(model, _regression_batches(per_tower))
+            history = trainer.train(steps_per_epoch=3, verbose=0)
+        assert trainer.penalties == 1
+        results.append((model.dense.kernel.numpy(), history.history))
+    (one, one_logs), (two, two_logs) = results
+    assert two_logs["share"] == [0.5] and one_logs["share"] == [1.0]
+    np.testing.assert_allclose(two, one, atol=1e-5)
+    np.testing.assert_allclose(two_logs["loss"], one_logs["loss"], atol=1e-5)
+
+
+def test_what_a_jax_tower_function_cannot_do_says_so():
+    class OutsideVariable(RegressionTrainer):
+        def _setup(self):
+            super()._setup()
+            self.outside = keras.Variable(0.0)   # not on the model: checkpoints would miss it
+
+        @kt.Trainer.tower_function
+        def fit_batch(self, batch):
+            self.outside.assign(self.outside + 1.0)
+            return {}
+
+    with kt.distributed("mirrored", devices=TWO):
+        model = Regression()
+        model.compile(optimizer="sgd")
+    with pytest.raises(kt.KerasTowerError, match="neither the model nor its optimizers"):
+        OutsideVariable(model, _regression_batches(4)).train(steps_per_epoch=1, verbose=0)
+
+    keras.mixed_precision.set_global_policy("mixed_float16")
+    try:
+        with kt.distributed("mirrored", devices=TWO):
+            mixed = Regression()
+            mixed.compile(optimizer="sgd")   # Keras wraps it in a LossScaleOptimizer
+    finally:
+        keras.mixed_precision.set_global_policy("float32")
+    with pytest.raises(kt.KerasTowerError, match="LossScaleOptimizer"):
+        RegressionTrainer(mixed, _regression_batches(4)).train(steps_per_epoch=1, verbose=0)
+
+
+def test_check_finite_false_applies_a_nonfinite_step_in_a_tower_function():
+    def batches():
+        while True:
+            yield np.full((4, 3), np.nan, "float32"), np.ones((4, 1), "float32")
+
+    with kt.distributed("mirrored", devices=TWO):
+        model = Linear()
+        model.compile(optimizer="sgd", check_finite=False)
+        RegressionTrainer(model, batches()).train(steps_per_epoch=2, verbose=0)
+    assert np.isnan(model.dense.kernel.numpy()).all() and model.optimizer.iterations.numpy() == 2

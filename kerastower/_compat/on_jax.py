@@ -94,11 +94,11 @@ def current_stateless_scope():
     return require_function(*_STATELESS_SCOPE)()
 
 
-def inheriting_stateless_scope(state_mapping):
+def inheriting_stateless_scope(state_mapping, collect_losses=False):
     """A `keras.StatelessScope` mapping `state_mapping` (pairs of variable and
     value) over what the scope it is opened in maps, so every variable reads
     its value inside the enclosing step, not its stored one."""
-    scope = keras.StatelessScope(state_mapping=state_mapping)
+    scope = keras.StatelessScope(state_mapping=state_mapping, collect_losses=collect_losses)
     outer = current_stateless_scope()
     if outer is None:
         return scope

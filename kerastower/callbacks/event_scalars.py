@@ -23,6 +23,7 @@ Examples:
     ['train']
 """
 
+import itertools
 import os
 import socket
 import time
@@ -140,6 +141,9 @@ class ScalarTensorBoard(keras.callbacks.Callback):
         self._writers = {}
 
 
+_FILE_NUMBERS = itertools.count()
+
+
 class _EventFile:
     """One TensorBoard events file in a local `folder`: tensorboard's record
     format (length, checksums, a serialized Event), written in this thread."""
@@ -149,8 +153,10 @@ class _EventFile:
         from tensorboard.summary.writer.record_writer import RecordWriter
 
         os.makedirs(folder, exist_ok=True)
-        name = f"events.out.tfevents.{int(time.time()):010d}.{socket.gethostname()}.{os.getpid()}.0.v2"
-        self._records = RecordWriter(open(os.path.join(folder, name), "wb"))
+        # The counter keeps two files of one second and process apart.
+        name = (f"events.out.tfevents.{int(time.time()):010d}.{socket.gethostname()}."
+                f"{os.getpid()}.{next(_FILE_NUMBERS)}.v2")
+        self._records = RecordWriter(open(os.path.join(folder, name), "xb"))
         self.add_event(event_pb2.Event(wall_time=time.time(), file_version="brain.Event:2"))
 
     def add_event(self, event):

@@ -125,7 +125,10 @@ class ClassificationError(Inferencer):
         y_pred = ops.convert_to_tensor(y_pred)
         predicted = ops.cast(ops.argmax(y_pred, axis=-1), "int32")
         labels = ops.convert_to_tensor(y)
-        if len(labels.shape) == len(y_pred.shape) and y_pred.shape[-1] != 1:
+        # One-hot labels have a column per class; class indices, of shape
+        # (n,) or (n, 1), do not.
+        if (len(labels.shape) == len(y_pred.shape) and y_pred.shape[-1] != 1
+                and labels.shape[-1] == y_pred.shape[-1]):
             labels = ops.argmax(labels, axis=-1)
         labels = ops.reshape(ops.cast(labels, "int32"), ops.shape(predicted))
         weights = (

@@ -294,11 +294,7 @@ class TowerSteps:
         def step(carry, batch):
             *state, going = carry
             *new, flags, finite = self._train_step(*state, batch, going)
-            if self.check_finite:
-                for i in (1, 3):  # non-trainables and metrics; the update is gated already
-                    new[i] = [jnp.where(finite, n, o) for n, o in zip(new[i], state[i])]
-                going = finite
-            return (*new, going), flags
+            return (*new, finite if self.check_finite else going), flags
 
         carry = (list(trainable), list(non_trainable), list(optimizer_vars), list(tower_metrics),
                  jnp.asarray(True))
@@ -309,6 +305,7 @@ class TowerSteps:
         """One step: (the new state, this tower's finite flag, whether the
         step applied its update)."""
         model = self.model
+        old_non_trainable = list(non_trainable)
         step_name = f"{type(model).__name__}.train_step"
         positions = jax_towers.seed_positions(model, model.non_trainable_variables)
 
@@ -350,8 +347,14 @@ class TowerSteps:
         else:
             new_trainable, new_optimizer = apply()
             finite = flags = jnp.asarray(True)
-        return (list(new_trainable), jax_towers.from_tower_0(non_trainable, self.num_towers), list(new_optimizer),
-                [m[None] for m in metrics], flags[None], finite)
+        non_trainable = jax_towers.from_tower_0(non_trainable, self.num_towers)
+        metrics = [m[None] for m in metrics]
+        if self.check_finite:
+            # A step that is not finite changes nothing: no NaN statistics
+            # (BatchNormalization's) reach the variables or a checkpoint.
+            non_trainable = [jnp.where(finite, n, o) for n, o in zip(non_trainable, old_non_trainable)]
+            metrics = [jnp.where(finite, n, o) for n, o in zip(metrics, tower_metrics)]
+        return list(new_trainable), non_trainable, list(new_optimizer), metrics, flags[None], finite
 
     def _towers_to_blame(self, tower_finite, finite):
         """Each tower's flag: its own gradients' finiteness; every tower's

@@ -184,13 +184,24 @@ class JaxTowerFunction(TowerFunction):
         weight = jnp.asarray(1.0 if examples is None else examples, "float32")
         values = seeded_apart(state, seeds, index)
         ctx = TowerContext(index, num_towers, self.training)
-        ctx.strategy, ctx.num_examples, ctx.example_weight = model.tower_strategy, examples, weight
+        ctx.strategy, ctx.num_examples = model.tower_strategy, examples
+        ctx.example_weight = jnp.asarray(1.0 / num_towers, "float32")  # the towers' batches have one shape
+        ctx.check_finite = getattr(model, "tower_check_finite", True)
         health = _Health()
         optimizers = training_optimizers(model)
-        with ctx, keras.StatelessScope(state_mapping=list(zip(variables, values))) as scope, \
-                _tracing_state(variables), _reducing_apply(optimizers, weight, num_towers, health):
+        # collect_losses: layers' add_loss (activity regularizers) reach model.losses.
+        with ctx, keras.StatelessScope(state_mapping=list(zip(variables, values)),
+                                       collect_losses=True) as scope, \
+                _tracing_state(variables), _reducing_apply(optimizers, weight, ctx, health):
             initial = dict(scope.state_mapping)
             outputs = self.fn(*tower_args)
+        held = {id(v) for v in variables}
+        if any(key not in held for key in scope.state_mapping):
+            raise KerasTowerError(
+                f"tower_function {name!r} assigned a variable that neither the model nor its "
+                "optimizers hold, so its new value would be lost (and on JAX a variable read "
+                "there is fixed when the function is compiled). Keep it on the model: "
+                "self.add_variable(...) in a trainer's _setup(), or model.add_weight(...).")
         if not isinstance(outputs, dict):
             raise KerasTowerError(
                 f"tower_function {name!r} must return a dict of values to reduce over "
@@ -222,11 +233,11 @@ def _unwrapped(batch):
 
 
 @contextlib.contextmanager
-def _reducing_apply(optimizers, weight, num_towers, health):
+def _reducing_apply(optimizers, weight, ctx, health):
     """Inside a tower, `optimizer.apply` reduces over the towers, then applies."""
     for optimizer in optimizers:
         object.__setattr__(optimizer, "apply", functools.partial(
-            _apply_reduced, optimizer, type(optimizer).apply, weight, num_towers, health))
+            _apply_reduced, optimizer, type(optimizer).apply, weight, ctx, health))
     try:
         yield
     finally:
@@ -234,7 +245,13 @@ def _reducing_apply(optimizers, weight, num_towers, health):
             object.__delattr__(optimizer, "apply")
 
 
-def _apply_reduced(optimizer, keras_apply, weight, num_towers, health, grads, trainable_variables=None):
+def _apply_reduced(optimizer, keras_apply, weight, ctx, health, grads, trainable_variables=None):
+    num_towers = ctx.total
+    if isinstance(optimizer, keras.optimizers.LossScaleOptimizer):
+        raise KerasTowerError(
+            f"{optimizer.name} is a LossScaleOptimizer (mixed precision), which a tower function "
+            "on JAX cannot apply yet: its update skips steps with a cond that Keras cannot run "
+            "inside the compiled step. Use fit, a float32 policy here, or KERAS_BACKEND=tensorflow.")
     if trainable_variables is None:
         raise KerasTowerError(
             f"{optimizer.name}.apply(grads) inside a tower function on JAX: pass the "
@@ -244,8 +261,6 @@ def _apply_reduced(optimizer, keras_apply, weight, num_towers, health, grads, tr
     if num_towers > 1:
         total = jax.lax.psum(weight, AXIS)
         grads = [jax.lax.psum(g * weight.astype(g.dtype), AXIS) / total.astype(g.dtype) for g in grads]
-    finite = all_finite(grads)
-    health.record(finite, own_finite)
     touched = _unique(list(optimizer.variables) + trainable_variables)
 
     def applied():
@@ -256,5 +271,11 @@ def _apply_reduced(optimizer, keras_apply, weight, num_towers, health, grads, tr
     def skipped():
         return [varying(v.value, num_towers) for v in touched]
 
-    for variable, value in zip(touched, jax.lax.cond(finite, applied, skipped)):
+    if ctx.check_finite:
+        finite = all_finite(grads)
+        health.record(finite, own_finite)
+        new_values = jax.lax.cond(finite, applied, skipped)
+    else:  # compile(check_finite=False)
+        new_values = applied()
+    for variable, value in zip(touched, new_values):
         variable.assign(value)

@@ -78,20 +78,24 @@ def _minimize_on_jax(optimizer, loss_fn, variables):
         state = variables
     differentiated = {id(v) for v in variables}
     others = [v for v in state if id(v) not in differentiated]
+    held = {id(v) for v in state}
 
     def loss_of(values):
-        with jax_compat.inheriting_stateless_scope(list(zip(variables, values))) as scope:
+        # collect_losses: the loss may add model.losses (activity regularizers).
+        with jax_compat.inheriting_stateless_scope(list(zip(variables, values)),
+                                                   collect_losses=True) as scope:
             before = [scope.state_mapping.get(id(v)) for v in others]
             loss = loss_fn()
             scaled = optimizer.scale_loss(loss)
-        if eager and set(scope.state_mapping) - differentiated:
+        if set(scope.state_mapping) - held:
             from kerastower.errors import KerasTowerError
 
             raise KerasTowerError(
-                "kt.minimize on JAX, called outside a tower function: the loss assigned "
-                "variables other than those minimized (BatchNormalization statistics, a "
-                "random seed's state), which only a tower function carries on. Call it "
-                "inside a kt.Trainer.tower_function.")
+                "kt.minimize on JAX: the loss assigned variables other than those minimized "
+                + ("(BatchNormalization statistics, a random seed's state), which only a tower "
+                   "function carries on. Call it inside a kt.Trainer.tower_function."
+                   if eager else "that the model and its optimizers do not hold, so their new "
+                   "values would be lost. Keep them on the model (model.add_weight(...))."))
         # What the loss assigned (BatchNormalization's statistics, seeds) goes on.
         updates = {i: scope.state_mapping[id(v)] for i, v in enumerate(others)
                    if scope.state_mapping.get(id(v)) is not before[i]}
