@@ -11,9 +11,17 @@ def train():
 ```
 """
 
+from kerastower._backend_required import check_backend_installed as _check_backend_installed
+
+_check_backend_installed()  # before Keras is imported: a missing backend names its extra
+
+from kerastower import _moved  # noqa: E402
+
+_moved.install()
+
 from kerastower import callbacks
 from kerastower import checkpoint
-from kerastower.engine.collectives import collectives_per_step
+from kerastower.backend.tensorflow.collectives import collectives_per_step
 from kerastower.errors import ArgumentError
 from kerastower.errors import DataMismatchError
 from kerastower.errors import InputSourceError
@@ -24,16 +32,17 @@ from kerastower.errors import PeerFailureError
 from kerastower.errors import StepFailedError
 from kerastower.errors import StrategyError
 from kerastower.errors import TowerRuleError
-from kerastower.loop import LoopState
-from kerastower.strategies import _on_jax
-from kerastower.strategies import TowerStrategy
-from kerastower.strategies import distributed
-from kerastower.strategies import register_strategy
-from kerastower.strategies import strategy_names
+from kerastower.loop.main_loop import LoopState
+from kerastower.strategies.base import _on_jax
+from kerastower.strategies.base import TowerStrategy
+from kerastower.strategies.base import distributed
+from kerastower.strategies.base import register_strategy
+from kerastower.strategies.base import strategy_names
 from kerastower.tower import TowerContext
 from kerastower.tower import get_current_tower_context
 
-from kerastower.backend import TowerModel
+from kerastower.model import TowerModel
+from kerastower import functional as _functional  # registers the saved-model classes
 from kerastower.trainers import GANModel
 from kerastower.trainers import GANTrainer
 from kerastower.trainers import SeparateGANTrainer
@@ -42,16 +51,15 @@ from kerastower.trainers import Trainer
 from kerastower.trainers import minimize
 
 if not _on_jax():
-    from kerastower import functional as _functional  # registers the saved-model classes
-    from kerastower import mirrored as _mirrored  # registers "single", "mirrored", "central"
-    from kerastower import horovod as _horovod  # registers "horovod"; imports Horovod only when used
-    from kerastower import multiworker as _multiworker  # registers "multiworker"
-    from kerastower.devices import use_cpu_towers
-    from kerastower.inputs import DatasetInput
-    from kerastower.inputs import DummyConstantInput
-    from kerastower.inputs import GeneratorInput
-    from kerastower.inputs import InputSource
-    from kerastower.inputs import TowerInputContext
+    from kerastower.strategies import mirrored as _mirrored  # registers "single", "mirrored", "central"
+    from kerastower.strategies import horovod as _horovod  # registers "horovod"; imports Horovod only when used
+    from kerastower.strategies import multiworker as _multiworker  # registers "multiworker"
+    from kerastower.strategies.devices import use_cpu_towers
+    from kerastower.inputs.sources import DatasetInput
+    from kerastower.inputs.sources import DummyConstantInput
+    from kerastower.inputs.sources import GeneratorInput
+    from kerastower.inputs.sources import InputSource
+    from kerastower.inputs.sources import TowerInputContext
 
 # What only the TensorFlow backend has, and what to use on JAX instead.
 _TENSORFLOW_ONLY = {
@@ -65,6 +73,10 @@ _TENSORFLOW_ONLY = {
 
 
 def __getattr__(name):
+    if f"kerastower.{name}" in _moved.MOVED:  # a module read as an attribute
+        import importlib
+
+        return importlib.import_module(f"kerastower.{name}")
     if name in _TENSORFLOW_ONLY and _on_jax():
         raise KerasTowerError(
             f"kt.{name} runs on TensorFlow only, and this process runs Keras on JAX "
@@ -111,3 +123,6 @@ __all__ = [
     "Trainer",
     "use_cpu_towers",
 ]
+if _on_jax():
+    # `from kerastower import *` takes what this backend has.
+    __all__ = [name for name in __all__ if name not in _TENSORFLOW_ONLY]

@@ -135,8 +135,8 @@ def fit_data(x, y, sample_weight, class_weight, validation_split, validation_dat
 def validation_source(validation_data, batch_size):
     """The InputSource of fit's `validation_data`: (x, y[, sample_weight])
     arrays, a dataset or an InputSource."""
-    # Imported here so that inputs.py (and every module) can use `integer`.
-    from kerastower.inputs import as_input_source
+    # Imported here so that inputs/sources.py (and every module) can use `integer`.
+    from kerastower.inputs.sources import as_input_source
 
     if isinstance(validation_data, (tuple, list)) and not isinstance(
         validation_data[0], tf.data.Dataset

@@ -1,6 +1,7 @@
 """The errors and warnings kerastower raises, so that users can catch them by type."""
 
 __all__ = [
+    "nonfinite_error",
     "KerasTowerError",
     "TowerRuleError",
     "InputSourceError",
@@ -170,3 +171,23 @@ class MonitorWriteWarning(UserWarning):
         >>> import warnings, kerastower as kt
         >>> warnings.simplefilter("error", kt.MonitorWriteWarning)  # or make it fatal
     """
+
+
+def nonfinite_error(global_step, bad_towers, num_towers):
+    """The NonFiniteError of the step `global_step` (1-based), whose
+    non-finite gradients came from this process's `bad_towers`."""
+    if bad_towers:
+        plural = "s" if len(bad_towers) > 1 else ""
+        where = f"on tower{plural} {', '.join(map(str, bad_towers))} of {num_towers}"
+    else:
+        where = "on a tower of another process"
+    return NonFiniteError(
+        f"Training step {global_step} produced NaN or Inf gradients {where}; its "
+        "update was skipped and training stopped (the weights are those after step "
+        f"{global_step - 1}). Look for a non-finite loss (log of 0, division by "
+        "zero, a too-high learning rate) or bad input values in that step's "
+        "batch. For mixed precision, keras.optimizers.LossScaleOptimizer skips "
+        "such steps instead of stopping.",
+        global_step,
+        list(bad_towers),
+    )

@@ -14,7 +14,7 @@ import weakref
 import keras
 
 from kerastower import _compat
-from kerastower import strategies
+from kerastower.strategies import base as strategies
 from kerastower.model import TowerModel
 
 __all__ = ["FunctionalTowerModel", "WrappedTowerModel", "wrap", "wrapped_by_new", "built_by_new"]
@@ -22,7 +22,8 @@ __all__ = ["FunctionalTowerModel", "WrappedTowerModel", "wrap", "wrapped_by_new"
 
 @keras.saving.register_keras_serializable(package="kerastower")
 class FunctionalTowerModel(TowerModel, _compat.functional_class()):
-    """What `kt.TowerModel(inputs, outputs)` makes: a functional TowerModel."""
+    """What `kt.TowerModel(inputs, outputs)` makes: a functional TowerModel
+    (registered, so that a saved one loads without custom_objects)."""
 
 
 _FUNCTIONAL_TWINS = {TowerModel: FunctionalTowerModel}
@@ -113,4 +114,5 @@ def _warn_stock_fit(model):
     )
 
 
-_compat.install_stock_fit_check(_warn_stock_fit)
+if keras.backend.backend() == "tensorflow":
+    _compat.install_stock_fit_check(_warn_stock_fit)

@@ -24,5 +24,6 @@ if [ ! -f "$venv/.ready" ]; then
 fi
 "$venv/bin/pip" install -q --no-deps -e .
 say "$("$venv/bin/python" -c 'import keras, tensorflow as tf; print(f"Keras {keras.__version__}, TensorFlow {tf.__version__}")')"
+"$venv/bin/python" -c 'import jax' 2>/dev/null && { say "JAX is installed in $venv, which must have TensorFlow only" >&2; exit 1; }; say "import jax fails: these tests run the TensorFlow path without JAX installed."
 "$venv/bin/python" -m pytest -q -p no:cacheprovider \
   tests/test_equivalence_matrix.py tests/test_equivalence.py tests/test_one_engine.py

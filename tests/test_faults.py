@@ -18,8 +18,8 @@ import tensorflow as tf
 
 import kerastower as kt
 from conftest import TWO
-from kerastower import checkpoint_files
-from kerastower.checkpoint_keys import keyed_variables
+from kerastower.checkpoint import files as checkpoint_files
+from kerastower.checkpoint.keys import keyed_variables
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 SCRIPT = os.path.join(HERE, "faults_script.py")

@@ -104,7 +104,7 @@ def test_towers_in_index_order_hold_a_steps_batches_in_input_order(workers, loca
     step s takes the (s * W * L + w * L + i)-th batch."""
     import tensorflow as tf
 
-    from kerastower.multiworker import worker_shard
+    from kerastower.strategies.multiworker import worker_shard
 
     towers = workers * local_towers
     steps = 3

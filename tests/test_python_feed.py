@@ -1,4 +1,4 @@
-"""GeneratorInput's feed (kerastower/python_feed.py): a thread runs the
+"""GeneratorInput's feed (kerastower/inputs/python_feed.py): a thread runs the
 generator ahead; items arrive whole and in order, a wrong item is named, and
 nothing is left running after fit."""
 

@@ -72,7 +72,7 @@ def test_plain_tf_distribute_scope_works_too():
 
 
 def test_register_strategy_adds_a_name():
-    kt.register_strategy("two_cpus", lambda devices: kt.mirrored._make_mirrored(TWO))
+    kt.register_strategy("two_cpus", lambda devices: kt.strategies.mirrored._make_mirrored(TWO))
     try:
         assert "two_cpus" in kt.strategy_names()
         with kt.distributed("two_cpus") as strategy:

@@ -7,7 +7,7 @@ import tensorflow as tf
 from tensorboard.backend.event_processing import event_accumulator
 
 import kerastower as kt
-from kerastower.model_common import TowerModelCommon
+from kerastower import backend as kt_backend
 from conftest import TWO, id_data, mlp
 
 
@@ -133,7 +133,7 @@ def test_functional_use_leaves_the_classes_untouched(two_towers):
     functional = kt.TowerModel(inputs, outputs)
     custom = Custom(inputs, outputs)
     assert isinstance(functional, kt.TowerModel) and isinstance(custom, Custom)
-    assert kt.TowerModel.__bases__ == (TowerModelCommon, keras.Model)   # not made functional
+    assert kt.TowerModel.__bases__ == (kt_backend.tower_steps(), keras.Model)   # not made functional
     assert Custom.__bases__ == (kt.TowerModel,)
 
     class Later(kt.TowerModel):
@@ -316,7 +316,7 @@ def test_frozen_layers_are_not_copied_between_towers(two_towers):
     frozen = keras.layers.Dense(8, trainable=False)
     bn = keras.layers.BatchNormalization()
     model = kt.TowerModel(inputs, keras.layers.Dense(1)(bn(frozen(inputs))))
-    from kerastower.engine import tf_step
+    from kerastower.backend.tensorflow import step as tf_step
 
     local = {id(w) for w in tf_step._replica_local_weights(model)}
     assert local == {id(bn.moving_mean), id(bn.moving_variance)}

@@ -18,7 +18,7 @@ import tensorflow as tf
 
 import kerastower as kt
 from jax_helpers import TowerRecorder
-from kerastower import jax_sources
+from kerastower.inputs import jax_sources
 
 B = 8
 SCCE = keras.losses.SparseCategoricalCrossentropy(from_logits=True)

@@ -126,7 +126,7 @@ def test_synchronized_batchnorm_outside_towers_uses_its_own_batch():
 def test_a_missing_keras_hook_fails_loudly_naming_the_versions(monkeypatch):
     from keras.src.backend.jax import nn as jax_nn
 
-    from kerastower.engine import jax_sync
+    from kerastower.backend.jax import sync as jax_sync
 
     monkeypatch.delattr(jax_nn, "moments")
     with pytest.raises(kt.KerasTowerError, match=r"keras\.src\.backend\.jax\.nn\.moments") as error:

@@ -11,12 +11,12 @@ import numpy as np
 import pytest
 
 import kerastower as kt
-from kerastower import jax_inputs
-from kerastower import jax_model
-from kerastower import jax_strategies
+from kerastower.inputs import jax_arrays as jax_inputs
+from kerastower import model as jax_model
+from kerastower.strategies import jax_mesh as jax_strategies
 from kerastower.callbacks import defaults
 from kerastower.callbacks import event_scalars
-from kerastower.engine import jax_placement
+from kerastower.backend.jax import placement as jax_placement
 from jax_helpers import TowerRecorder
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -70,7 +70,7 @@ def test_a_short_last_step_runs_as_one_tower_on_the_joined_batch():
 
 
 def test_towers_need_batches_of_one_shape():
-    from kerastower.engine import jax_step
+    from kerastower.backend.jax import step as jax_step
 
     mesh = jax_step.tower_mesh(jax.devices()[:2])
     with pytest.raises(kt.DataMismatchError, match="one shape"):

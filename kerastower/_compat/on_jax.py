@@ -9,7 +9,7 @@ Keras 3 refuses `BatchNormalization(synchronized=True)` on JAX (its
 constructor raises, and `keras.src.backend.jax.nn.moments` raises for
 `synchronized=True`). `install_synchronized_batchnorm` lets the layer be
 built and routes its moments to kerastower's, which reduce over the towers
-(engine/jax_sync.py).
+(backend/jax/sync.py).
 """
 
 import functools

@@ -32,7 +32,7 @@ import numpy as np
 from kerastower._tf import tf
 from kerastower import _compat
 from kerastower.callbacks.base import Callback
-from kerastower.strategies import _on_jax
+from kerastower.strategies.base import _on_jax
 
 __all__ = ["InferenceRunner", "Inferencer", "ScalarStats", "ClassificationError"]
 
@@ -252,7 +252,7 @@ class InferenceRunner(Callback):
             return self.source.sums(self.model, counters)
         model = self.model
         strategy = model.tower_strategy
-        model._build_for(self.source, with_targets=False)
+        model.engine.build_for(self.source, with_targets=False)
         iterator = iter(self.source.distribute(strategy))
         if self._sum_function is None:
 
@@ -283,8 +283,8 @@ class InferenceRunner(Callback):
 
 
 def _tf_source(source, batch_size):
-    from kerastower.inputs import InputSource
-    from kerastower.inputs import as_input_source
+    from kerastower.inputs.sources import InputSource
+    from kerastower.inputs.sources import as_input_source
 
     if isinstance(source, (tuple, list)) and not isinstance(source, InputSource):
         x, y, sample_weight = _compat.unpack_x_y_sample_weight(tuple(source))
@@ -307,11 +307,12 @@ class _JaxSource:
         """Each counter's sums over the source: every step's towers predict
         their own batches (data-parallel, each example once), and the sums
         are taken over the step's examples, in float64 across steps."""
-        batches = model._batches(self.x, self.y, self.sample_weight, self.batch_size)
-        model._build_from(batches)
+        batches = model.engine.input_source(self.x, self.y, self.sample_weight, self.batch_size,
+                                            method="evaluate")
+        model.engine.build_for(batches)
         totals = None
         for step in batches.one_pass(model.num_towers):
-            y_pred = model.run_towers("predict", step)   # the towers' outputs, in tower order
+            y_pred = model.engine.run_towers("predict", step)   # the towers' outputs, in tower order
             _, y, sample_weight = (
                 None if parts[0] is None else keras.tree.map_structure(lambda *a: np.concatenate(a), *parts)
                 for parts in zip(*(_padded(batch) for batch in step)))

@@ -14,7 +14,7 @@ callbacks = [
 A checkpoint holds the weights, the optimizer's slots and step counter, the
 random-number states, the loop state (epoch, steps) and the input position
 (batches each tower took), with a manifest of checksums, in a folder written
-under a temporary name and renamed into place (`kerastower/checkpoint.py`):
+under a temporary name and renamed into place (`kerastower/checkpoint/store.py`):
 a kill during a save leaves the previous checkpoint as the newest, and a
 damaged checkpoint is skipped for the one before it.
 """
@@ -23,13 +23,13 @@ import os
 import time
 import warnings
 
-from kerastower import checkpoint
-from kerastower import checkpoint_files
+from kerastower.checkpoint import store as checkpoint
+from kerastower.checkpoint import files as checkpoint_files
 from kerastower.arguments import integer
 from kerastower.callbacks.base import Callback
 from kerastower.callbacks.write_guard import write_errors
 from kerastower.errors import KerasTowerError
-from kerastower.resume import ResumeState
+from kerastower.checkpoint.resume_state import ResumeState
 
 __all__ = ["ModelSaver", "MinSaver", "MaxSaver", "AutoResume"]
 
@@ -260,7 +260,7 @@ class AutoResume(Callback):
     changed, a missing manifest) or holds NaN/Inf is skipped with a warning
     saying why, for the one before it; with checkpoints there and none
     intact, it raises a KerasTowerError naming each and its reason.
-    Variables are matched by their Keras path (kerastower/checkpoint_keys.py):
+    Variables are matched by their Keras path (kerastower/checkpoint/keys.py):
     the model must have exactly the checkpoint's variables, shapes and
     dtypes, or `allow_partial=True` restores those that fit and warns about
     the others.

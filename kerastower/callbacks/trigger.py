@@ -94,7 +94,7 @@ class ProxyCallback(Callback):
         self.is_keras = not isinstance(callback, Callback)
         self.chief_only = getattr(callback, "chief_only", None)
         if self.chief_only is None:
-            from kerastower.loop import _KERAS_CHIEF_ONLY
+            from kerastower.loop.main_loop import _KERAS_CHIEF_ONLY
 
             self.chief_only = isinstance(callback, _KERAS_CHIEF_ONLY)
         self._run_active = True

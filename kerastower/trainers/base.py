@@ -53,24 +53,20 @@ import numpy as np
 
 from kerastower import _compat
 from kerastower.arguments import integer
-from kerastower.backend import TowerModel
+from kerastower.model import TowerModel
 from kerastower.errors import InputSourceError
 from kerastower.errors import KerasTowerError
-from kerastower.loop import Iteration
-from kerastower.loop import LoopState
-from kerastower.loop import MainLoop
-from kerastower.loop import announce_total_batch
-from kerastower.loop import StopTraining
-from kerastower.loop import training_callbacks
+from kerastower.loop.main_loop import Iteration
+from kerastower.loop.main_loop import LoopState
+from kerastower.loop.main_loop import MainLoop
+from kerastower.loop.main_loop import announce_total_batch
+from kerastower.loop.main_loop import StopTraining
+from kerastower.loop.main_loop import training_callbacks
 from kerastower.callbacks.base import RunHooks
-from kerastower.training_state import training_optimizers
-from kerastower.strategies import _on_jax
+from kerastower.checkpoint.training_state import training_optimizers
+from kerastower.strategies.base import _on_jax
 from kerastower.trainers.feeds import feed_for
-
-if _on_jax():
-    from kerastower.trainers.jax_tower_function import JaxTowerFunction as TowerFunction
-else:
-    from kerastower.trainers.tower_function import TowerFunction
+from kerastower.trainers.tower_function import TowerFunction
 
 __all__ = ["Trainer", "StopTraining"]
 
@@ -78,6 +74,10 @@ __all__ = ["Trainer", "StopTraining"]
 class _TrainerState(TowerModel):
     """What a trainer without a model registers its variables on: callbacks
     see it as `self.model`, checkpoints save its variables."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.optimizer = None  # callbacks that log the learning rate ask for it
 
 
 class Trainer:
@@ -236,7 +236,7 @@ class Trainer:
         `next_batches()` returns) included; it runs `fn` once per tower,
         inside the tower's `TowerContext` and tower rules (see
         `TowerModel.tower_scope`), compiled with `tf.function` (on JAX: one
-        `jax.jit` over the towers, trainers/jax_tower_function.py).
+        `jax.jit` over the towers, backend/jax/tower_function.py).
 
         `fn` returns a dict of values; each is reduced over towers:
 
@@ -273,7 +273,7 @@ class Trainer:
     ):
         """Runs epochs `starting_epoch..max_epoch` of `steps_per_epoch` iterations.
 
-        The loop is `fit`'s (kerastower/loop.py): the same callback order,
+        The loop is `fit`'s (kerastower/loop/main_loop.py): the same callback order,
         StopTraining, on_train_end on failure, and resume. Callbacks (kt and
         Keras ones, in one list) see `self.model`. With
         `kt.callbacks.AutoResume`, training goes on from the latest
@@ -297,13 +297,15 @@ class Trainer:
             self._is_set_up = True
         self._check_optimizers_are_on_the_model()
         self._build_compiled_optimizer()
-        callbacks = training_callbacks(
-            self.model, callbacks, verbose, logdir, epochs=max_epoch, steps=steps_per_epoch
-        )
-        self._run_hooks = RunHooks(callbacks)
-        self._verbose, self._announced = verbose, False
+        # The callbacks see the trainer's loop state from the start: they
+        # keep the one they are set up with, and the run's logdir goes there.
         fit_loop, self.model.loop = self.model.loop, self.loop
         try:
+            callbacks = training_callbacks(
+                self.model, callbacks, verbose, logdir, epochs=max_epoch, steps=steps_per_epoch
+            )
+            self._run_hooks = RunHooks(callbacks)
+            self._verbose, self._announced = verbose, False
             MainLoop(self.model, self.loop, callbacks, type(self).__name__).run(
                 _RunSteps(self), starting_epoch, max_epoch, steps_per_epoch
             )

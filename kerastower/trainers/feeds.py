@@ -1,7 +1,7 @@
 """Where `kt.Trainer.next_batches()` takes its batches: one feed per backend.
 
 On TensorFlow the input is a `kt.InputSource` or a `tf.data.Dataset`,
-distributed by the strategy (inputs.py). On JAX it is a Python generator,
+distributed by the strategy (inputs/sources.py). On JAX it is a Python generator,
 iterator or iterable of batches, or a `keras.utils.PyDataset`, dealt out as
 fit deals them (jax_sources.py): tower k of step s takes the source's batch
 `s x N + k`. Either way every tower takes whole batches of its own and the
@@ -11,7 +11,7 @@ input must not end: an epoch is only the period at which callbacks run.
 import keras
 
 from kerastower.errors import InputSourceError
-from kerastower.strategies import _on_jax
+from kerastower.strategies.base import _on_jax
 
 __all__ = ["feed_for"]
 
@@ -28,8 +28,8 @@ class TensorFlowFeed:
 
     def __init__(self, input, owner):
         from kerastower._tf import tf
-        from kerastower.inputs import InputSource
-        from kerastower.inputs import as_input_source
+        from kerastower.inputs.sources import InputSource
+        from kerastower.inputs.sources import as_input_source
 
         if not isinstance(input, (InputSource, tf.data.Dataset)):
             raise InputSourceError(
@@ -56,7 +56,7 @@ class TensorFlowFeed:
         towers' batches; with one tower per process (Horovod, multi-worker),
         the others are counted as the same size: an endless input gives
         every tower a whole batch."""
-        from kerastower.engine.tf_step import num_examples
+        from kerastower.backend.tensorflow.step import num_examples
 
         local = [int(num_examples(batch)) for batch in strategy.tower_values(batches)]
         num_towers = strategy.num_towers
@@ -67,7 +67,7 @@ class JaxFeed:
     """A generator, iterator, iterable or PyDataset of per-tower batches."""
 
     def __init__(self, input, owner):
-        from kerastower import jax_sources
+        from kerastower.inputs import jax_sources
 
         if not jax_sources.is_batched(input):
             raise InputSourceError(
@@ -86,7 +86,7 @@ class JaxFeed:
         """(one step's batches, a `TowerBatches`; examples by tower), or None
         at the input's end. Batches that differ only in their number of
         examples are joined, and the step runs as one tower on them."""
-        from kerastower.trainers.jax_tower_function import TowerBatches
+        from kerastower.backend.jax.tower_function import TowerBatches
 
         batches = next(self.iterator, None)
         if batches is None:

@@ -24,7 +24,7 @@ import keras
 
 from kerastower import _compat
 from kerastower.arguments import integer
-from kerastower.backend import TowerModel
+from kerastower.model import TowerModel
 from kerastower.trainers.base import Trainer
 from kerastower.trainers.minimize import minimize
 

@@ -25,7 +25,7 @@ class Regression(kt.Trainer):
 ```
 """
 
-from kerastower.strategies import _on_jax
+from kerastower.strategies.base import _on_jax
 
 __all__ = ["minimize"]
 
@@ -70,7 +70,7 @@ def _minimize_on_jax(optimizer, loss_fn, variables):
     import jax
 
     from kerastower._compat import on_jax as jax_compat
-    from kerastower.trainers.jax_tower_function import traced_state
+    from kerastower.backend.jax.tower_function import traced_state
 
     state = traced_state()
     eager = state is None

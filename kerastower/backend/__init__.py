@@ -1,0 +1,37 @@
+"""The step engines, one subpackage per Keras backend: the one dispatch point.
+
+`backend/tensorflow/` runs the towers with `tf.distribute` (a `tf.function`
+over `strategy.run`); `backend/jax/` with one jitted `shard_map` over a
+device mesh. Each gives two things, picked here by the backend Keras runs
+on (as Keras picks its trainer): the tower steps `TowerModel` inherits
+(`tower_steps()`), and the `StepEngine` (engine.py) through which the
+model and the loop run them (`make_engine(model)`). Nothing else in
+kerastower asks which backend it is on.
+"""
+
+import keras
+
+__all__ = ["name", "tower_steps", "make_engine"]
+
+
+def name():
+    """The backend Keras runs on: "tensorflow" or "jax"."""
+    return keras.backend.backend()
+
+
+def tower_steps():
+    """The backend's part of `TowerModel`: its tower steps (a mixin class)."""
+    if name() == "jax":
+        from kerastower.backend.jax.model import TowerModelBackend
+    else:
+        from kerastower.backend.tensorflow.model import TowerModelBackend
+    return TowerModelBackend
+
+
+def make_engine(model):
+    """The backend's `StepEngine` for `model`."""
+    if name() == "jax":
+        from kerastower.backend.jax.engine import JaxEngine as Engine
+    else:
+        from kerastower.backend.tensorflow.engine import TensorFlowEngine as Engine
+    return Engine(model)

@@ -1,0 +1,153 @@
+"""StepEngine: the one contract between the loop and a backend's towers.
+
+`TowerModel.fit`, `evaluate` and `predict`, `FitSteps` and the inference
+loops are written once, against this interface; `backend/tensorflow/engine.py`
+and `backend/jax/engine.py` implement it. An engine makes a source of
+per-tower batches from what `fit` was given, builds the model from it, and
+runs steps on it: every tower takes its own batch (tower k of step s the
+source's batch s*N+k), runs the model's tower step under its
+`TowerContext`, and the update is reduced over towers in one place per
+backend (`backend/tensorflow/gradients.py`, `backend/jax/step.py`).
+
+Examples:
+    >>> import keras, numpy as np, kerastower as kt
+    >>> inputs = keras.Input((3,))
+    >>> model = kt.TowerModel(inputs, keras.layers.Dense(1)(inputs))
+    >>> isinstance(model.engine, kt.backend.engine.StepEngine)
+    True
+"""
+
+import contextlib
+import dataclasses
+
+__all__ = ["StepEngine", "StepRun", "Feed"]
+
+
+@dataclasses.dataclass
+class StepRun:
+    """What some steps of one call of the step function did.
+
+    Attributes:
+        taken: steps whose batches were taken from the input (a failed
+            step's included).
+        done: steps whose update was applied (`taken`, less a failed one).
+        logs: the metrics after the last step, read across this process's towers.
+        tower_batches: batches each tower took, in tower order.
+        examples: examples all towers took.
+        tower_examples: each tower's examples in the first step (the total
+            batch line), or None.
+        nonfinite_towers: None, or the towers (of this process) whose
+            gradients were not finite in the failed step (an empty list: a
+            tower of another process).
+    """
+
+    taken: int = 0
+    done: int = 0
+    logs: dict = dataclasses.field(default_factory=dict)
+    tower_batches: list = dataclasses.field(default_factory=list)
+    examples: int = 0
+    tower_examples: list = None
+    nonfinite_towers: list = None
+
+
+class Feed:
+    """fit's input, opened: one iterator through the run, or one per pass.
+
+    The engine's `fit_feed` makes it; `FitSteps` calls `start` once,
+    `begin_pass` before every epoch and `run` for every call of the step.
+    """
+
+    def start(self, skip_batches, epoch_num):
+        """Opens the input before epoch `epoch_num`; on a resume, skips
+        `skip_batches` (each tower's batches taken: of the pass
+        `epoch_num - 1` when an epoch is one pass, else of the whole run)."""
+        raise NotImplementedError
+
+    def begin_pass(self, loop):
+        """At every epoch: when an epoch is one pass, a new iterator over
+        pass `loop.epoch_num - 1` (setting `loop.tower_batches`)."""
+        raise NotImplementedError
+
+    def run(self, num_steps, loop):
+        """Up to `num_steps` training steps; returns a `StepRun`."""
+        raise NotImplementedError
+
+
+class StepEngine:
+    """What `TowerModel` and the loop need from a backend.
+
+    Args:
+        model: the TowerModel whose steps this engine runs.
+    """
+
+    def __init__(self, model):
+        self.model = model
+
+    # compile
+
+    def keras_jit_compile(self, jit_compile):
+        """The `jit_compile` to hand to `keras.Model.compile`."""
+        return jit_compile
+
+    def compiled(self, jit_compile):
+        """After `compile`: forget steps built for the old compile."""
+
+    # input
+
+    def check_validation_split(self, x, validation_split):
+        """Refuses a `validation_split` this backend cannot cut from `x`."""
+
+    def input_source(self, x, y=None, sample_weight=None, batch_size=None, shuffle=False,
+                     repeat=False, method="fit", steps=None):
+        """What `method` ("fit", "evaluate", "predict") got, as a source of
+        per-tower batches (`steps`: how many that call takes, or None for
+        one pass: then the source must end)."""
+        raise NotImplementedError
+
+    def validation_source(self, validation_data, batch_size, steps=None):
+        """fit's `validation_data` as a source."""
+        raise NotImplementedError
+
+    def build_for(self, source, step=None, with_targets=True):
+        """Creates every variable (layers, metrics, optimizer slots) from
+        tower 0's first batch, so that no tower step creates one."""
+        raise NotImplementedError
+
+    # steps
+
+    def fit_feed(self, source, steps_per_epoch, steps_per_call):
+        """fit's `Feed` over `source`."""
+        raise NotImplementedError
+
+    def open_inference(self, source):
+        """An iterator over one pass of `source` for evaluate or predict."""
+        raise NotImplementedError
+
+    def test_steps(self, iterator, num_steps, first_step):
+        """Up to `num_steps` evaluation steps (`first_step`: the 0-based
+        index of the first, for error messages); returns a `StepRun`."""
+        raise NotImplementedError
+
+    def predict_step(self, iterator, step):
+        """The towers' outputs of one prediction step, joined in tower
+        order; None when the input has ended."""
+        raise NotImplementedError
+
+    def run_tower_function(self, tower_function, args):
+        """Runs a `kt.Trainer.tower_function` once per tower on `args` (the
+        towers' batches first), its results reduced over towers."""
+        raise NotImplementedError
+
+    # state
+
+    def logs_of_every_tower(self, logs):
+        """`logs` (this process's towers') as the metrics of every tower."""
+        return dict(logs)
+
+    def sync_state(self):
+        """Writes what the towers hold into the model's variables (before
+        callbacks, validation or a checkpoint read them)."""
+
+    def running(self):
+        """The context `fit`, `evaluate` and `predict` run in."""
+        return contextlib.nullcontext()

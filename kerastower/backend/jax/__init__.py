@@ -1,0 +1,7 @@
+"""The JAX step engine: towers as the devices of a mesh, one jitted step.
+
+`step.py` runs the model's own JAX `train_step` once per tower inside one
+`shard_map` and reduces the gradients there; `placement.py` puts each
+tower's batch on its device; `towers.py` what every tower step does to its
+values; `sync.py` writes the towers' weights back to the Keras variables.
+"""

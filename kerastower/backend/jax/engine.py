@@ -1,0 +1,256 @@
+"""The JAX StepEngine: every step one jitted call over the towers' devices.
+
+Sources are the per-tower batches of kerastower/inputs/jax_sources.py
+(numpy arrays, generators, PyDatasets); `step.TowerSteps` holds the jitted
+steps over a mesh of the towers' devices (one per number of towers: a
+pass's short last step runs on fewer, or joined on one), and the weights
+the towers hold between steps, written into the model's variables by
+`sync_state` (Keras's `jax_state_sync`).
+"""
+
+import contextlib
+
+import keras
+import numpy as np
+
+from kerastower import _compat
+from kerastower.backend.engine import Feed
+from kerastower.backend.engine import StepEngine
+from kerastower.backend.engine import StepRun
+from kerastower.backend.jax.tower_function import TowerFunctionRunner
+from kerastower.backend.jax import step as jax_step
+from kerastower.errors import InputSourceError
+from kerastower.inputs import jax_sources
+
+__all__ = ["JaxEngine"]
+
+
+class JaxEngine(StepEngine):
+    """Runs a TowerModel's steps with `jax.jit` over `shard_map` (see StepEngine)."""
+
+    def __init__(self, model):
+        super().__init__(model)
+        self._steps = {}  # number of towers -> jax_step.TowerSteps
+
+    def compiled(self, jit_compile):
+        self._steps = {}
+
+    def tower_steps(self, num_towers=None):
+        """The `step.TowerSteps` of the first `num_towers` towers (all by default)."""
+        devices = self.model.tower_strategy.step_devices(num_towers or self.model.num_towers)
+        if len(devices) not in self._steps:
+            mesh = jax_step.tower_mesh(devices)
+            self._steps[len(devices)] = jax_step.TowerSteps(
+                self.model, mesh, getattr(self.model, "tower_check_finite", True))
+        return self._steps[len(devices)]
+
+    def all_tower_steps(self):
+        """Every `step.TowerSteps` made so far."""
+        return list(self._steps.values())
+
+    def run_towers(self, mode, batches, placed=None):
+        """One test or predict step on `batches` (one per tower, or one
+        holding a pass's last examples); for "train", the steps `batches`
+        (a list of such lists) in one call (`placed`: them on the devices)."""
+        steps = self.tower_steps(len(batches[0]) if mode == "train" else len(batches))
+        for other in self._steps.values():
+            if other is not steps:
+                other.sync()
+                other.reset_metrics()  # the model's metrics hold the last step's
+        if mode == "train":
+            return steps.train_steps(batches, placed)
+        return getattr(steps, mode)(batches)
+
+    # input
+
+    def check_validation_split(self, x, validation_split):
+        if validation_split and jax_sources.is_batched(x):
+            raise InputSourceError(
+                f"validation_split cuts numpy arrays; x is a {type(x).__name__}. Pass "
+                "validation_data (arrays, a generator or a PyDataset) instead.")
+
+    def input_source(self, x, y=None, sample_weight=None, batch_size=None, shuffle=False,
+                     repeat=False, method="fit", steps=None):
+        source = jax_sources.tower_batches(x, y, sample_weight, batch_size, shuffle)
+        if getattr(source, "shuffle_seed", None) is not None:
+            source.shuffle_seed = self.model.tower_strategy.agree_on_seed(source.shuffle_seed)
+        if not steps:
+            source.check_finite(method)
+        return source
+
+    def validation_source(self, validation_data, batch_size, steps=None):
+        data = tuple(validation_data) if isinstance(validation_data, (tuple, list)) else (validation_data,)
+        val_x, val_y, val_weight = data + (None,) * (3 - len(data))
+        source = jax_sources.tower_batches(
+            val_x, val_y, val_weight, None if jax_sources.is_batched(val_x) else batch_size)
+        if not steps:
+            source.check_finite("fit", "validation_steps")
+        return source
+
+    def build_for(self, source, step=None, with_targets=True):
+        """Builds the model, its loss and metrics from the source's first
+        batch, read only when something is still unbuilt. Prediction
+        builds nothing: Keras's JAX predict step builds what it calls."""
+        if not with_targets:
+            return
+        model = self.model
+        unbuilt = (not all(layer.built for layer in _compat.flatten_layers(model))
+                   or any(not getattr(getattr(model, name, None), "built", True)
+                          for name in ("_compile_metrics", "_compile_loss")))
+        _compat.symbolic_build(model, source.first_batch() if unbuilt else None)
+
+    # steps
+
+    def fit_feed(self, source, steps_per_epoch, steps_per_call):
+        return _Feed(self, source, steps_per_epoch, steps_per_call)
+
+    def open_inference(self, source):
+        return iter(source.one_pass(self.model.num_towers))
+
+    def test_steps(self, iterator, num_steps, first_step):
+        run = StepRun()
+        for _ in range(num_steps):
+            tower_batches = next(iterator, None)
+            if tower_batches is None:
+                break
+            run.logs = self.run_towers("test", tower_batches)
+            run.taken += 1
+            run.done += 1
+        return run
+
+    def predict_step(self, iterator, step):
+        tower_batches = next(iterator, None)
+        if tower_batches is None:
+            return None
+        return self.run_towers("predict", tower_batches)
+
+    # state
+
+    def run_tower_function(self, tower_function, args):
+        if tower_function.runner is None:
+            tower_function.runner = TowerFunctionRunner(tower_function)
+        return tower_function.runner(self.model, args)
+
+    def logs_of_every_tower(self, logs):
+        return dict(logs)  # the steps' logs are every process's towers' already
+
+    def sync_state(self):
+        self.model.jax_state_sync()
+
+    @contextlib.contextmanager
+    def running(self):
+        try:
+            yield
+        finally:
+            self.sync_state()  # also when training stopped on an error
+
+
+def _shapes(step):
+    return [[np.shape(leaf) for leaf in keras.tree.flatten(batch)] for batch in step]
+
+
+class _Feed(Feed):
+    """fit's per-tower batches on JAX, read ahead of the step where reading
+    ahead cannot change them (arrays)."""
+
+    def __init__(self, engine, source, steps_per_epoch, steps_per_call):
+        self.engine = engine
+        self.model = engine.model
+        self.source = source
+        self.steps_per_epoch = steps_per_epoch
+        self.steps_per_call = steps_per_call
+
+    def start(self, skip_batches, epoch_num):
+        """Arrays and PyDatasets replay their pass's order from the seed and
+        skip what was taken; a generator's batches are read and dropped.
+        On JAX every tower counts the steps, so a step's batches are skipped
+        whole."""
+        self.endless = bool(self.steps_per_epoch)
+        self._ahead = self._pending = None
+        skip = max(skip_batches) if skip_batches else 0
+        self.resumed_pass = None
+        if self.endless:
+            self.iterator = self.source.endless(self.model.num_towers, skip_steps=skip)
+        elif skip:
+            self.resumed_pass = list(skip_batches)
+
+    def begin_pass(self, loop):
+        self.loop = loop
+        if self.endless:
+            return
+        loop.tower_batches = [0] * self.model.num_towers
+        self._ahead = self._pending = None  # a new pass, a new iterator
+        skip = 0
+        if self.resumed_pass is not None:
+            loop.tower_batches, self.resumed_pass = self.resumed_pass, None
+            skip = max(loop.tower_batches)
+        self.iterator = self.source.one_pass(self.model.num_towers, loop.epoch_num - 1, skip_steps=skip)
+
+    def run(self, num_steps, loop):
+        """Up to `num_steps` steps (`steps_per_execution`), in as few jitted
+        calls as the input allows: one, unless a step of another shape (a
+        pass's short last step) must run on its own."""
+        self.loop = loop
+        num_towers = self.model.num_towers
+        run = StepRun(tower_batches=[0] * num_towers)
+        while run.done < num_steps:
+            steps, placed = self._ahead or (self._take_steps(num_steps - run.done), None)
+            self._ahead = None
+            if not steps:
+                break
+            run.logs, finite = self.engine.run_towers("train", steps, placed)
+            self._ahead = self._read_ahead(self._next_call_steps(num_steps, run.done + len(steps)))
+            failed = jax_step.first_nonfinite_step(finite)  # waits for the steps
+            done = len(steps) if failed is None else failed[0]
+            for batches in steps[:done]:
+                examples = [len(keras.tree.flatten(b)[0]) for b in batches]
+                run.tower_batches = [n + 1 for n in run.tower_batches]
+                run.examples += sum(examples)
+                if run.tower_examples is None:
+                    run.tower_examples = examples * (num_towers // len(examples))
+            run.done += done
+            run.taken += done
+            if failed is not None:
+                run.nonfinite_towers = failed[1]
+                break
+        return run
+
+    _pending = None  # a step taken from the input that must run in a call of its own
+
+    def _take_steps(self, most):
+        """Up to `most` steps of the input to run in one call: steps of every
+        tower and of one shape (a short last step runs alone)."""
+        steps = []
+        while len(steps) < most:
+            step, self._pending = self._pending or next(self.iterator, None), None
+            if step is None:
+                break
+            if steps and _shapes(step) != _shapes(steps[0]):
+                self._pending = step
+                break
+            steps.append(step)
+            if len(step) < self.model.num_towers:
+                break
+        return steps
+
+    def _next_call_steps(self, num_steps, taken):
+        """How many steps the next call runs, when known: the rest of this
+        one, else the next `run`'s, within this epoch."""
+        if taken < num_steps:
+            return num_steps - taken
+        if not self.steps_per_epoch:
+            return self.steps_per_call
+        return min(self.steps_per_call, self.steps_per_epoch - self.loop.local_step - taken)
+
+    # While a step runs, the next call's batches are read and put on the
+    # devices, from sources that reading ahead cannot change (arrays): a
+    # generator or PyDataset is read only when its batches are due.
+    _ahead = None
+
+    def _read_ahead(self, num_steps):
+        if num_steps < 1 or not getattr(self.source, "read_ahead", False):
+            return None
+        steps = self._take_steps(num_steps)
+        if not steps:
+            return ([], None)
+        return steps, self.engine.tower_steps(len(steps[0])).place_steps(steps)

@@ -1,0 +1,51 @@
+"""The TowerModel's backend part on JAX: Keras's own JAX steps, run per tower.
+
+`kt.TowerModel` takes `TowerModelBackend` as a base on JAX. Towers keep
+Keras's JAX steps (`train_step(self, state, data)`, `compute_loss`
+overrides, custom steps) as they are: the engine (engine.py) runs them
+once per tower in one jitted call (step.py). The weights stay on the towers
+between steps; what is here writes them into the model's variables when
+something reads them.
+"""
+
+import contextlib
+
+import numpy as np
+
+__all__ = ["TowerModelBackend"]
+
+
+class TowerModelBackend:
+    """The JAX part of `kt.TowerModel` (a mixin before `keras.Model`; see
+    kerastower/model.py)."""
+
+    def jax_state_sync(self):
+        """Writes the weights the towers hold into the model's variables
+        (Keras calls it when a callback reads `self.model`)."""
+        super().jax_state_sync()
+        engine = self.__dict__.get("engine")
+        for steps in engine.all_tower_steps() if engine is not None else ():
+            steps.sync()
+
+    def reset_metrics(self):
+        super().reset_metrics()
+        engine = self.__dict__.get("engine")
+        for steps in engine.all_tower_steps() if engine is not None else ():
+            steps.reset_metrics()
+
+    @contextlib.contextmanager
+    def training_metrics_kept(self):
+        """Puts the training metrics back as they were after the block
+        (an evaluation in the middle of training resets them)."""
+        variables = [np.asarray(v.value) for v in self.metrics_variables]
+        held = [(steps, steps.metric_values()) for steps in self.engine.all_tower_steps()]
+        try:
+            yield
+        finally:
+            for variable, value in zip(self.metrics_variables, variables):
+                variable.assign(value)
+            for steps, values in held:
+                steps.restore_metric_values(values)
+
+    def make_train_function(self, force=False):
+        return self.engine.tower_steps()

@@ -1,0 +1,386 @@
+"""The compiled tower step on JAX: one batch per tower per step, one jitted call.
+
+One step of N towers, as backend/tensorflow/step.py does it on TensorFlow:
+
+1. each tower's batch is put on its own device, and the N batches become one
+   array sharded over the towers (`place_tower_batches` in placement.py):
+   no host-side join;
+2. in one `jax.jit`, `shard_map` runs on every device the branch of that
+   device's tower (`lax.switch` over the towers): the model's own
+   `train_step(state, data)` traced under a TowerContext whose index is a
+   Python int, so tower code may branch on it as on TensorFlow;
+3. the tower's call of `optimizer.stateless_apply` hands its gradients out
+   instead of applying them: they are averaged over the towers (a tower's
+   share is n_i / sum_j n_j, and the towers' batches have one shape here,
+   so 1/N), checked for NaN/Inf, and the optimizer is applied once, to the
+   averaged gradients (where gradients are reduced);
+4. non-trainable weights (BatchNormalization statistics, seed states) follow
+   tower 0; each tower keeps its own metric variables, summed when the logs
+   are read, so the logs are example-weighted over towers.
+
+Synchronized BatchNormalization sums its moments over the towers while a
+tower is traced (sync.py); tower i's random seeds are tower 0's moved
+by i, so the towers' Dropout masks differ.
+"""
+
+import contextlib
+import functools
+
+import jax
+import jax.numpy as jnp
+import keras
+import numpy as np
+from jax.sharding import NamedSharding
+
+from kerastower import _compat
+from kerastower.backend.jax import sync as jax_sync
+from kerastower.backend.jax import towers as jax_towers
+from kerastower.backend.jax.towers import first_nonfinite_step
+from kerastower.backend.jax.placement import AXIS
+from kerastower.backend.jax.placement import BY_TOWER
+from kerastower.backend.jax.placement import BY_STEP_AND_TOWER
+from kerastower.backend.jax.placement import REPLICATED
+from kerastower.backend.jax.placement import local_value
+from kerastower.backend.jax.placement import place_tower_batches
+from kerastower.backend.jax.placement import spans_processes
+from kerastower.backend.jax.placement import tower_mesh
+from kerastower.errors import TowerRuleError
+from kerastower.tower import TowerContext
+
+__all__ = ["AXIS", "tower_mesh", "place_tower_batches", "spans_processes", "local_value",
+           "first_nonfinite_step", "TowerSteps"]
+
+jax_sync.install()
+
+class _TakenGradients:
+    def __init__(self):
+        self.gradients = None
+
+
+@contextlib.contextmanager
+def _gradients_taken(optimizer, step_name):
+    """Inside a tower, `optimizer.stateless_apply` keeps the gradients and
+    changes nothing: the step applies them once, reduced over the towers."""
+    taken = _TakenGradients()
+
+    def stateless_apply(optimizer_variables, grads, trainable_variables):
+        if taken.gradients is not None:
+            raise TowerRuleError(
+                f"{step_name} called optimizer.stateless_apply twice in one tower. "
+                "kerastower applies one reduced update per step; apply once."
+            )
+        taken.gradients = list(grads)
+        return list(trainable_variables), list(optimizer_variables)
+
+    object.__setattr__(optimizer, "stateless_apply", stateless_apply)
+    try:
+        yield taken
+    finally:
+        object.__delattr__(optimizer, "stateless_apply")
+
+
+class TowerSteps:
+    """The compiled train, test and predict steps of `model` on `mesh`'s
+    towers, and the training state they carry between calls.
+
+    The state lives on the towers' devices between steps and is written
+    back into the model's variables after every call, so callbacks and
+    checkpoints see the weights of the last step.
+    """
+
+    def __init__(self, model, mesh, check_finite=True):
+        self.model = model
+        self.mesh = mesh
+        self.num_towers = mesh.size
+        self.check_finite = check_finite
+        self._functions = {}
+        self._tower_metrics = None
+        self._summed_metrics = None  # their sum over the towers, replicated
+        self._held = None
+        self._spans = spans_processes(mesh)
+        self._host_memory = all(d.platform == "cpu" for d in mesh.devices.flat)
+
+    # -- state ------------------------------------------------------------
+
+    def _replicated(self, values):
+        sharding = NamedSharding(self.mesh, REPLICATED)
+        # Across processes, every process puts its own copy of the same value.
+        return [jax.device_put(np.asarray(v) if self._spans else v, sharding) for v in values]
+
+    def reset_metrics(self):
+        """Every tower's metric variables start again from the model's."""
+        self._tower_metrics = self._summed_metrics = None
+
+    def metric_values(self):
+        """What the towers' metrics hold, for `restore_metric_values`."""
+        return self._tower_metrics, self._summed_metrics
+
+    def restore_metric_values(self, values):
+        self._tower_metrics, self._summed_metrics = values
+
+    def _metric_state(self):
+        if self._tower_metrics is None:
+            # Tower 0 holds what the model's metrics hold, the others zeros:
+            # their sum is the model's.
+            stacked = [
+                np.stack([np.asarray(v.value)] + [np.zeros(v.shape, v.dtype)] * (self.num_towers - 1))
+                for v in self.model.metrics_variables
+            ]
+            sharding = NamedSharding(self.mesh, BY_TOWER)
+            self._tower_metrics = [jax.device_put(v, sharding) for v in stacked]
+        return self._tower_metrics
+
+    def _write_back(self, variables, values):
+        # Only this process's copies: a sync needs no other process, so a
+        # callback of the chief alone may trigger it.
+        for variable, value in zip(variables, values):
+            variable.assign(local_value(value))
+
+    # The weights stay on the towers' devices from step to step, and reach
+    # the model's variables only when something reads them (`sync`, which
+    # Keras calls when a callback touches `self.model`): writing every
+    # variable back after every step cost more than a small model's step.
+    def _variable_lists(self):
+        model = self.model
+        optimizer = getattr(model, "optimizer", None)  # predict needs no compile()
+        return (model.trainable_variables, model.non_trainable_variables,
+                [] if optimizer is None else optimizer.variables)
+
+    def _current_state(self):
+        """What the towers hold, else the model's variables (not kept: the
+        user may set them before the next call)."""
+        if self._held is not None:
+            return self._held
+        return tuple(self._replicated([v.value for v in variables])
+                     for variables in self._variable_lists())
+
+    def sync(self):
+        """Writes what the towers hold into the model's variables; the next
+        step reads the variables again (a callback may have set one)."""
+        if self._held is not None:
+            for variables, values in zip(self._variable_lists(), self._held):
+                self._write_back(variables, values)
+            self._held = None
+        if self._summed_metrics is not None:
+            self._write_back(self.model.metrics_variables, self._summed_metrics)
+
+    # -- the steps --------------------------------------------------------
+
+    def place(self, batches):
+        """Puts one batch per tower on the towers' devices; JAX copies in the
+        background, so placing the next step's batches overlaps this one.
+        One tower on a CPU takes its numpy batch as it is: the jitted step
+        reads host memory there, and a device_put would cost more than the
+        copy it hides."""
+        if self.num_towers == 1 and self._host_memory:
+            return batches[0]
+        return place_tower_batches(self.mesh, batches)
+
+    def place_steps(self, steps):
+        """Several steps' batches (each a list of one per tower) on the
+        towers' devices: each tower's batches of every step joined, in order."""
+        if len(steps) == 1:
+            return self.place(steps[0])
+        joined = [jax.tree.map(lambda *parts: np.concatenate(parts), *[step[i] for step in steps])
+                  for i in range(len(steps[0]))]
+        return self.place(joined)
+
+    def train_steps(self, steps, placed=None):
+        """`len(steps)` training steps in one call (`steps_per_execution`),
+        each a list of one batch per tower, all of one shape (`placed`:
+        them, already placed). Returns (the last step's logs, each tower's
+        finite flag by step, still on the devices: `first_nonfinite_step`
+        reads them; None when unchecked)."""
+        data = self.place_steps(steps) if placed is None else placed
+        if len(steps) == 1:
+            function = self._function("train", self._train_body)
+        else:
+            function = self._function(f"train_steps:{len(steps)}",
+                                      functools.partial(self._train_steps_body, len(steps)))
+        state = (*self._current_state(), self._metric_state())
+        self._held = None  # donated to the step
+        (*held, metrics), self._summed_metrics, logs, finite = function(state, data)
+        self._held, self._tower_metrics = tuple(held), metrics
+        # Unchecked, nothing waits for the steps: the next call is
+        # dispatched while they run.
+        return logs, (finite if self.check_finite else None)
+
+    def test(self, batches):
+        """One evaluation step on one batch per tower; returns the logs."""
+        model = self.model
+        state = (*self._current_state()[:2], self._metric_state())
+        function = self._function("test", self._test_body)
+        metrics, self._summed_metrics, logs = function(state, self.place(batches))
+        self._tower_metrics = metrics
+        self._write_back(model.metrics_variables, self._summed_metrics)
+        return logs
+
+    def predict(self, batches):
+        """The towers' outputs on one batch each, joined in tower order."""
+        state = self._current_state()[:2]
+        function = self._function("predict", self._predict_body)
+        return function(state, self.place(batches))
+
+    def _function(self, mode, body):
+        if mode not in self._functions:
+            specs = {
+                "train": ((REPLICATED,) * 3 + (BY_TOWER, BY_TOWER),
+                          (REPLICATED,) * 3 + (BY_TOWER, BY_TOWER)),
+                "train_steps": ((REPLICATED,) * 3 + (BY_TOWER, BY_TOWER),
+                                (REPLICATED,) * 3 + (BY_TOWER, BY_STEP_AND_TOWER)),
+                "test": ((REPLICATED,) * 2 + (BY_TOWER, BY_TOWER), BY_TOWER),
+                "predict": ((REPLICATED,) * 2 + (BY_TOWER,), BY_TOWER),
+            }[mode.split(":")[0]]
+            sharded = (body if self.num_towers == 1 else
+                       jax.shard_map(body, mesh=self.mesh, in_specs=specs[0], out_specs=specs[1]))
+            self._functions[mode] = jax.jit(
+                functools.partial(self._run, mode, sharded),
+                donate_argnums=0 if mode.startswith("train") else ())
+        return self._functions[mode]
+
+    def _run(self, mode, sharded, state, data):
+        if mode == "predict":
+            outputs = sharded(*state, data)
+            # Every process returns every tower's outputs, in tower order.
+            return self._on_every_tower(outputs) if self._spans else outputs
+        if mode == "test":
+            metrics = sharded(*state, data)
+            return (metrics, *self._logs(metrics))
+        *new_state, finite = sharded(*state, data)
+        return (tuple(new_state), *self._logs(new_state[3]), self._on_every_tower(finite))
+
+    def _on_every_tower(self, values):
+        """`values`, gathered so that every device (every process) holds all."""
+        replicated = NamedSharding(self.mesh, REPLICATED)
+        return jax.tree.map(lambda v: jax.lax.with_sharding_constraint(v, replicated), values)
+
+    def _logs(self, tower_metrics):
+        """(every tower's metric variables summed, the model's metrics from
+        those sums): totals and counts, so example-weighted over towers."""
+        summed = self._on_every_tower([m.sum(axis=0) for m in tower_metrics])
+        with keras.StatelessScope(state_mapping=list(zip(self.model.metrics_variables, summed))):
+            return summed, self._on_every_tower(self.model.get_metrics_result())
+
+    def _switch(self, branch, *args):
+        """`branch(index, *args)` for this device's tower, traced once per tower.
+
+        While the branches are traced, synchronized BatchNormalization's
+        moments sum over the towers (sync.py).
+        """
+        if self.num_towers == 1:
+            return branch(0, *args)
+        branches = [functools.partial(branch, i) for i in range(self.num_towers)]
+        with jax_sync.synchronized_over(AXIS):
+            return jax.lax.switch(jax.lax.axis_index(AXIS), branches, *args)
+
+    def _tower_context(self, index, is_training, examples=None):
+        ctx = TowerContext(index, self.num_towers, is_training)
+        ctx.strategy = getattr(self.model, "tower_strategy", None)
+        ctx.num_examples = examples
+        ctx.example_weight = jnp.asarray(1.0 / self.num_towers, "float32")
+        ctx.check_finite = self.check_finite
+        return ctx
+
+    def _train_body(self, trainable, non_trainable, optimizer_vars, tower_metrics, data):
+        return self._train_step(trainable, non_trainable, optimizer_vars, tower_metrics, data)[:5]
+
+    def _train_steps_body(self, num_steps, trainable, non_trainable, optimizer_vars, tower_metrics, data):
+        """`num_steps` training steps in one `lax.scan`: this tower's batches
+        of every step arrive joined (`place_steps`). After a step whose
+        gradients were not finite, the later ones change nothing (the loop
+        stops at that step, as with one step a call)."""
+        steps = jax.tree.map(lambda a: a.reshape((num_steps, a.shape[0] // num_steps) + a.shape[1:]), data)
+
+        def step(carry, batch):
+            *state, going = carry
+            *new, flags, finite = self._train_step(*state, batch, going)
+            return (*new, finite if self.check_finite else going), flags
+
+        carry = (list(trainable), list(non_trainable), list(optimizer_vars), list(tower_metrics),
+                 jnp.asarray(True))
+        (*state, _), flags = jax.lax.scan(step, carry, steps)
+        return (*state, flags)
+
+    def _train_step(self, trainable, non_trainable, optimizer_vars, tower_metrics, data, going=True):
+        """One step: (the new state, this tower's finite flag, whether the
+        step applied its update)."""
+        model = self.model
+        old_non_trainable = list(non_trainable)
+        step_name = f"{type(model).__name__}.train_step"
+        positions = jax_towers.seed_positions(model, model.non_trainable_variables)
+
+        def tower(index, trainable, non_trainable, optimizer_vars, metrics, data):
+            examples = jax.tree.leaves(data)[0].shape[0]
+            non_trainable = jax_towers.seeded_apart(non_trainable, positions, index)
+            with self._tower_context(index, True, examples), \
+                    _gradients_taken(model.optimizer, step_name) as taken:
+                _, (_, non_trainable, _, metrics) = model.train_step(
+                    (trainable, non_trainable, optimizer_vars, metrics), data)
+            if taken.gradients is None:
+                raise TowerRuleError(
+                    f"{step_name} did not call self.optimizer.stateless_apply, so "
+                    "there is no update to reduce over the towers. Call it once "
+                    "with the gradients, as keras.Model.train_step does on JAX."
+                )
+            return taken.gradients, list(non_trainable), list(metrics)
+
+        metrics = [m[0] for m in tower_metrics]
+        # Each tower differentiates its own copy of the weights: the gradient
+        # of replicated weights would come out summed over the towers.
+        gradients, non_trainable, metrics = self._switch(
+            tower, jax_towers.per_tower(trainable, self.num_towers), non_trainable, optimizer_vars, metrics, data)
+        if self.num_towers > 1:
+            tower_finite = jax_towers.all_finite(gradients)
+            gradients = jax_towers.mean_over_towers(gradients)
+
+        def apply():
+            return tuple(map(list, model.optimizer.stateless_apply(
+                optimizer_vars, gradients, trainable)))
+
+        if self.check_finite:
+            finite = jnp.logical_and(jax_towers.all_finite(gradients), going)
+            # A cond, not a select of the new values: a skipped update costs
+            # nothing and an applied one no extra pass over the weights.
+            new_trainable, new_optimizer = jax.lax.cond(
+                finite, apply, lambda: (list(trainable), list(optimizer_vars)))
+            flags = finite if self.num_towers == 1 else self._towers_to_blame(tower_finite, finite)
+        else:
+            new_trainable, new_optimizer = apply()
+            finite = flags = jnp.asarray(True)
+        non_trainable = jax_towers.from_tower_0(non_trainable, self.num_towers)
+        metrics = [m[None] for m in metrics]
+        if self.check_finite:
+            # A step that is not finite changes nothing: no NaN statistics
+            # (BatchNormalization's) reach the variables or a checkpoint.
+            non_trainable = [jnp.where(finite, n, o) for n, o in zip(non_trainable, old_non_trainable)]
+            metrics = [jnp.where(finite, n, o) for n, o in zip(metrics, tower_metrics)]
+        return list(new_trainable), non_trainable, list(new_optimizer), metrics, flags[None], finite
+
+    def _towers_to_blame(self, tower_finite, finite):
+        """Each tower's flag: its own gradients' finiteness; every tower's
+        when only their mean overflowed."""
+        any_bad = jax.lax.psum(jnp.logical_not(tower_finite).astype(jnp.int32), AXIS) > 0
+        return jnp.logical_and(tower_finite, jnp.logical_or(finite, any_bad))
+
+    def _test_body(self, trainable, non_trainable, tower_metrics, data):
+        model = self.model
+
+        def tower(index, trainable, non_trainable, metrics, data):
+            with self._tower_context(index, False):
+                _, (_, _, metrics) = model.test_step((trainable, non_trainable, metrics), data)
+            return list(metrics)
+
+        metrics = self._switch(tower, trainable, non_trainable, [m[0] for m in tower_metrics], data)
+        return [m[None] for m in metrics]
+
+    def _predict_body(self, trainable, non_trainable, data):
+        model = self.model
+
+        def tower(index, trainable, non_trainable, data):
+            ctx = self._tower_context(index, False)
+            ctx.name = f"predict_tower{index}"
+            with ctx:
+                outputs, _ = model.predict_step((trainable, non_trainable), data)
+            return outputs
+
+        return self._switch(tower, trainable, non_trainable, data)

@@ -1,0 +1,71 @@
+"""Synchronized BatchNormalization on JAX towers: moments over every tower's examples.
+
+While a tower's step is traced inside the engine's `shard_map`
+(`synchronized_over(AXIS)`, set by step.py), `keras.ops.moments(...,
+synchronized=True)` - what `BatchNormalization(synchronized=True)` calls in
+training - sums over the tower axis: every tower normalizes by the mean and
+variance of all towers' examples, each example counted once, as one device
+would on the joined batch. The gradient flows through the sums, so it is
+that one device's too; the moving statistics come out the same on every
+tower. Outside the towers (one device, eager calls) the moments are the
+layer's own batch's, as on TensorFlow without a strategy.
+"""
+
+import contextlib
+import math
+import threading
+
+import jax
+import jax.numpy as jnp
+
+from kerastower._compat import on_jax as jax_compat
+
+__all__ = ["synchronized_over", "moments", "install"]
+
+_local = threading.local()
+
+
+@contextlib.contextmanager
+def synchronized_over(axis_name):
+    """Within it, synchronized moments reduce over the mesh axis `axis_name`.
+
+    None: they do not reduce over any axis (the layer's own batch).
+    """
+    saved = getattr(_local, "axis", None)
+    _local.axis = axis_name
+    try:
+        yield
+    finally:
+        _local.axis = saved
+
+
+def moments(x, axes, keepdims, local_moments):
+    """Mean and variance of `x` over `axes` and over the towers.
+
+    Sums and example counts are added over the tower axis, then divided;
+    outside the towers, `local_moments(x, axes, keepdims)` (Keras's own).
+    """
+    axis_name = getattr(_local, "axis", None)
+    if axis_name is None:
+        return local_moments(x, axes, keepdims)
+    x = jnp.asarray(x)
+    dtype = x.dtype
+    if dtype in (jnp.float16, jnp.bfloat16):
+        x = x.astype(jnp.float32)  # as Keras does: float16 is too narrow for statistics
+    axes = tuple(a % x.ndim for a in ((axes,) if isinstance(axes, int) else axes))
+    count = jnp.asarray(math.prod(x.shape[a] for a in axes), x.dtype)
+    total = jax.lax.psum(count, axis_name)
+    mean = jax.lax.psum(jnp.sum(x, axes, keepdims=True), axis_name) / total
+    variance = jax.lax.psum(jnp.sum(jnp.square(x - mean), axes, keepdims=True), axis_name) / total
+    if not keepdims:
+        mean, variance = jnp.squeeze(mean, axes), jnp.squeeze(variance, axes)
+    if x.dtype != dtype:
+        limit = jnp.finfo(jnp.float16).max
+        mean = jnp.clip(mean, -limit, limit).astype(dtype)
+        variance = jnp.clip(variance, -limit, limit).astype(dtype)
+    return mean, variance
+
+
+def install():
+    """Routes Keras's synchronized moments on JAX here (once)."""
+    jax_compat.install_synchronized_batchnorm(moments)

@@ -1,0 +1,180 @@
+"""Where gradients are reduced: each tower's weighted, summed over towers,
+then applied once.
+
+Inside a training tower, Keras's `optimizer.apply` (patched by
+`_compat.install_tower_patches`) calls `apply_in_tower`, which:
+
+1. weights the tower's gradients by its share of the step's examples,
+   `n_i / sum_j n_j` (when the counts are not known in advance, each tower
+   adds `n_i * g_i` and `n_i` in the same all-reduce and divides after);
+2. sums them over towers in one all-reduce (sparse gradients stay sparse);
+3. checks the sums for NaN/Inf and lets the optimizer clip and apply them,
+   on every tower alike: the update of one device on the joined batch.
+"""
+
+import threading
+
+import keras
+import tensorflow as tf
+
+from kerastower import _compat
+from kerastower.backend.tensorflow import nonfinite
+from kerastower.errors import TowerRuleError
+from kerastower.tower import get_current_tower_context
+
+__all__ = ["apply_in_tower", "gradients_unless_empty", "reduce_tower_gradients"]
+
+
+# Which variables got a gradient on each tower of the step being traced:
+# a variable without one on every tower is left out of the update, as one
+# device leaves it out. Towers are traced in threads, so it is shared.
+_presence_lock = threading.Lock()
+_presence = {}
+
+
+def _weighted(gradient, variable, weight):
+    if gradient is None:
+        return tf.zeros(variable.shape, variable.dtype)
+    # multiply_no_nan: a tower without examples (weight 0) adds exact zeros,
+    # even where its empty batch made the loss NaN.
+    if isinstance(gradient, tf.IndexedSlices):
+        values = tf.math.multiply_no_nan(gradient.values, tf.cast(weight, gradient.values.dtype))
+        return tf.IndexedSlices(values, gradient.indices, gradient.dense_shape)
+    return tf.math.multiply_no_nan(gradient, tf.cast(weight, gradient.dtype))
+
+
+def reduce_tower_gradients(strategy, ctx, gradients, weighted, key, extra=()):
+    """The sum over towers of each variable's `weighted` gradient; None for a
+    variable no tower has a gradient for (`gradients` is None). `extra`
+    tensors ride along in the same all-reduce; returns (sums, extra sums)."""
+    with _presence_lock:
+        _presence.setdefault(key, {})[ctx.index] = [g is not None for g in gradients]
+    reduced = strategy.all_reduce_sum(list(weighted) + list(extra))
+    reduced, extra = reduced[:len(weighted)], reduced[len(weighted):]
+    # Every tower of this process has recorded its gradients by now: the
+    # all-reduce above waited for all of them.
+    with _presence_lock:
+        seen = list(_presence[key].values())
+    return [r if any(p[i] for p in seen) else None for i, r in enumerate(reduced)], extra
+
+
+def _divided(gradient, total):
+    if gradient is None:
+        return None
+    if isinstance(gradient, tf.IndexedSlices):
+        values = tf.math.divide_no_nan(gradient.values, tf.cast(total, gradient.values.dtype))
+        return tf.IndexedSlices(values, gradient.indices, gradient.dense_shape)
+    return tf.math.divide_no_nan(gradient, tf.cast(total, gradient.dtype))
+
+
+def _example_weighted_sum(ctx, gradients, variables, key):
+    """(the example-weighted mean over towers of each gradient, this tower's
+    weighted gradients). With the example counts not known in advance, each
+    tower adds `n_i * g_i` and its count in ONE all-reduce, then divides by
+    the total: no separate all-reduce of the counts."""
+    if ctx.total == 1:  # one tower: its gradients are the step's
+        present = [g for g in gradients if g is not None]
+        return list(gradients), present
+    if not ctx.example_weight_deferred:
+        weighted = [_weighted(g, v, ctx.example_weight) for g, v in zip(gradients, variables)]
+        reduced, _ = reduce_tower_gradients(ctx.strategy, ctx, gradients, weighted, key)
+        return reduced, weighted
+    count = tf.cast(ctx.num_examples, tf.float32)
+    weighted = [_weighted(g, v, count) for g, v in zip(gradients, variables)]
+    counts = tf.one_hot(ctx.index, ctx.total, dtype=tf.float32) * count
+    reduced, (counts,) = reduce_tower_gradients(
+        ctx.strategy, ctx, gradients, weighted, key, extra=[counts])
+    if getattr(ctx, "reduced_counts", None) is None:
+        ctx.reduced_counts = counts
+    total = tf.reduce_sum(counts)
+    return [_divided(r, total) for r in reduced], weighted
+
+
+def apply_in_tower(optimizer, keras_apply, gradients, variables=None):
+    """`optimizer.apply` inside a training tower: reduce, then Keras's apply.
+
+    Installed into Keras's optimizers by `_compat.install_tower_patches`.
+    """
+    ctx = get_current_tower_context()
+    if not optimizer.built:
+        raise TowerRuleError(
+            f"The optimizer {optimizer.name!r} was first used inside a tower step, "
+            "where it would create its slot variables once per tower. Build it "
+            "before training, on the variables it updates: e.g. after compile(), "
+            "`second_optimizer.build(model.<part>.trainable_variables)`, or in "
+            "your model's compile() override. (The compiled `optimizer` is built "
+            "by fit and kt.Trainer on the model's trainable variables.)"
+        )
+    variables = list(_compat.optimizer_variables(optimizer) if variables is None else variables)
+    gradients = list(gradients)
+    if len(gradients) != len(variables):
+        raise ValueError(
+            f"optimizer.apply got {len(gradients)} gradients for {len(variables)} variables."
+        )
+    key = (id(optimizer), tuple(id(v) for v in variables))
+    reduced, weighted = _example_weighted_sum(ctx, gradients, variables, key)
+    pairs = [(g, v) for g, v in zip(reduced, variables) if g is not None]
+    if not pairs:
+        raise ValueError(
+            "No gradient reached any variable the optimizer updates: does the loss "
+            f"depend on them? Variables: {[v.path for v in variables]}"
+        )
+    reduced, variables = [g for g, _ in pairs], [v for _, v in pairs]
+    with _compat.gradients_already_reduced():
+        if isinstance(optimizer, keras.optimizers.LossScaleOptimizer) or not ctx.check_finite:
+            # It skips a non-finite step itself and lowers its scale (or the
+            # user compiled with check_finite=False).
+            return keras_apply(optimizer, reduced, variables)
+        finite = nonfinite.all_finite(reduced)
+        nonfinite.record(ctx, finite, weighted)
+        _compat.apply_if(finite, lambda grads: keras_apply(optimizer, grads, variables), reduced)
+
+
+_compat.install_tower_patches(apply_in_tower)
+
+
+def gradients_unless_empty(model, forward_backward, examples, variables):
+    """Runs `forward_backward()` unless this tower's batch is empty.
+
+    At the end of finite data some towers may get no batch. Such a tower must
+    still join the all-reduce, but must not run the model: TF's oneDNN
+    MaxPool gradient aborts the process on an empty batch. It contributes
+    zero gradients instead (sparse ones stay sparse). A forward pass that
+    all-reduces (synchronized BatchNormalization) cannot be skipped on some
+    towers only: there the model runs on the empty batch, weighted zero.
+    """
+    if model.num_towers == 1 or any(
+        getattr(layer, "synchronized", False) for layer in _compat.flatten_layers(model)
+    ):
+        return forward_backward()
+    cache = model.engine.cache
+    if tf.executing_eagerly():  # tf.cond would run one branch only
+        if int(examples) > 0:
+            cache.last_gradients = forward_backward()
+            return cache.last_gradients
+        last = cache.last_gradients or [None] * len(variables)
+        return [None if g is None else _dense_or_sparse_zeros(g, v) for g, v in zip(last, variables)]
+    traced = {}
+
+    def compute():
+        gradients = forward_backward()
+        traced["gradients"] = gradients
+        return [_dense_or_sparse_zeros(None, v) if g is None else g
+                for g, v in zip(gradients, variables)]
+
+    def skip():
+        return [_dense_or_sparse_zeros(g, v) for g, v in zip(traced["gradients"], variables)]
+
+    gradients = tf.cond(examples > 0, compute, skip)
+    return [None if g is None else r for g, r in zip(traced["gradients"], gradients)]
+
+
+def _dense_or_sparse_zeros(like, variable):
+    if isinstance(like, tf.IndexedSlices):
+        values = like.values
+        return tf.IndexedSlices(
+            tf.zeros([0] + list(variable.shape)[1:], values.dtype),
+            tf.zeros([0], like.indices.dtype),
+            tf.constant(list(variable.shape), like.dense_shape.dtype),
+        )
+    return tf.zeros(variable.shape, variable.dtype)

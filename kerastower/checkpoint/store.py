@@ -1,0 +1,397 @@
+"""Checkpoints that a kill can never leave half-written, restored by name.
+
+A checkpoint is a folder `ckpt-<global_step>` inside the checkpoint directory:
+
+    ckpt-00000120/
+        variables.index, variables.data-00000-of-00001 (TensorFlow), or
+        variables.npz (JAX: kerastower/checkpoint/variables.py)
+                        every variable a run carries, each under its key
+                        (kerastower/checkpoint/keys.py): the model's
+                        (seed-generator states included) and every
+                        optimizer's (slots, step counters)
+        state.json      loop state and input position (kerastower/checkpoint/resume_state.py)
+        manifest.json   size and sha256 of every file above; per variable its
+                        key, Keras path, shape, dtype and whether all its
+                        values were finite; retention data (ModelSaver); and
+                        a sha256 of the manifest itself
+
+It is written under a temporary name, fsynced, and renamed into place
+(kerastower/checkpoint/files.py). A checkpoint counts only when its manifest
+is there and verifies: every file has the size and sha256 it lists, and
+every variable was finite. A checkpoint whose variables hold NaN or Inf is
+never written.
+
+Restoring matches variables by key, so reordering layers in the code loads
+each weight where it belongs. Variables the model has and the checkpoint
+lacks, the other way round, or of another shape or dtype raise
+`CheckpointMismatchError` listing them, unless `allow_partial=True`, which
+restores the rest and warns about them.
+
+Examples:
+    >>> import os, tempfile, keras, numpy as np, kerastower as kt
+    >>> folder = tempfile.mkdtemp()
+    >>> inputs = keras.Input((3,))
+    >>> model = kt.TowerModel(inputs, keras.layers.Dense(1)(inputs))
+    >>> model.compile(optimizer="sgd", loss="mse")
+    >>> _ = model.fit(np.ones((8, 3)), np.ones((8, 1)), batch_size=4, verbose=0,
+    ...               callbacks=[kt.callbacks.ModelSaver(folder)])
+    >>> os.path.basename(kt.checkpoint.latest_checkpoint(folder))
+    'ckpt-00000002'
+"""
+
+import json
+import os
+import warnings
+
+import numpy as np
+
+from kerastower.checkpoint import files as checkpoint_files
+from kerastower.checkpoint import variables as checkpoint_variables
+from kerastower.checkpoint.files import DamagedCheckpointError
+from kerastower.checkpoint.keys import keyed_variables
+from kerastower.errors import KerasTowerError
+
+__all__ = [
+    "write_checkpoint", "read_checkpoint", "restore_latest", "list_checkpoints",
+    "latest_checkpoint", "verify_checkpoint", "clean_up", "DamagedCheckpointError",
+    "NonFiniteCheckpointError", "CheckpointMismatchError",
+]
+
+class NonFiniteCheckpointError(KerasTowerError):
+    """The variables to checkpoint hold NaN or Inf; nothing was written.
+
+    Attributes:
+        global_step: the step of the checkpoint that was refused.
+        variables: the keys of the variables that were not finite.
+
+    Examples:
+        >>> import keras, numpy as np, kerastower as kt
+        >>> inputs = keras.Input((3,))
+        >>> model = kt.TowerModel(inputs, keras.layers.Dense(1)(inputs))
+        >>> _ = model.layers[-1].kernel.assign(np.full((3, 1), np.nan))
+        >>> try:
+        ...     kt.checkpoint.write_checkpoint("ckpt", model, {"global_step": 8, "epoch_num": 1, "local_step": 8})
+        ... except kt.checkpoint.NonFiniteCheckpointError as error:
+        ...     print(error.global_step, error.variables)
+        8 ['model/dense/kernel']
+    """
+
+    def __init__(self, global_step, variables):
+        shown = ", ".join(variables[:5])
+        if len(variables) > 5:
+            shown += f" and {len(variables) - 5} more"
+        hold = "variables hold" if len(variables) > 1 else "variable holds"
+        super().__init__(
+            f"No checkpoint was written for global step {global_step}: {len(variables)} "
+            f"{hold} NaN or Inf ({shown}). The older, finite checkpoints are kept; "
+            "resume from one, e.g. with a lower learning rate or gradient clipping."
+        )
+        self.global_step = global_step
+        self.variables = variables
+
+
+class CheckpointMismatchError(KerasTowerError):
+    """A checkpoint's variables do not fit the model's.
+
+    Attributes:
+        missing: [(key, shape)] the model has and the checkpoint lacks.
+        unexpected: [(key, shape)] the checkpoint has and the model lacks.
+        reshaped: [(key, saved shape and dtype, model shape and dtype)].
+
+    Examples:
+        >>> import keras, numpy as np, kerastower as kt
+        >>> inputs = keras.Input((3,))
+        >>> model = kt.TowerModel(inputs, keras.layers.Dense(1)(inputs))
+        >>> path = kt.checkpoint.write_checkpoint(
+        ...     "ckpt", model, {"global_step": 7, "epoch_num": 1, "local_step": 7})
+        >>> wider_inputs = keras.Input((4,))
+        >>> wider = kt.TowerModel(wider_inputs, keras.layers.Dense(1)(wider_inputs))
+        >>> try:
+        ...     kt.checkpoint.read_checkpoint(path, wider)
+        ... except kt.checkpoint.CheckpointMismatchError as error:
+        ...     print(error.reshaped)
+        [('model/dense/kernel', '(3, 1) float32', '(4, 1) float32')]
+    """
+
+    def __init__(self, path, missing, unexpected, reshaped):
+        super().__init__(
+            f"The checkpoint {path} does not fit this model:"
+            f"{_describe(missing, unexpected, reshaped)}\n"
+            "Build the same model (layer names decide where weights go), point the "
+            "checkpoint directory elsewhere, or pass allow_partial=True to restore the "
+            "variables that fit and keep the others as they are."
+        )
+        self.missing = missing
+        self.unexpected = unexpected
+        self.reshaped = reshaped
+
+
+def _describe(missing, unexpected, reshaped):
+    lines = []
+    if missing:
+        lines.append("\n  missing from the checkpoint (the model has them): "
+                     + ", ".join(f"{key} {shape}" for key, shape in missing))
+    if unexpected:
+        lines.append("\n  extra in the checkpoint (the model lacks them): "
+                     + ", ".join(f"{key} {shape}" for key, shape in unexpected))
+    if reshaped:
+        lines.append("\n  another shape or dtype: " + ", ".join(
+            f"{key} saved {saved}, model {now}" for key, saved, now in reshaped))
+    return "".join(lines)
+
+
+def list_checkpoints(directory):
+    """Every checkpoint folder `ckpt-<step>` in `directory`, intact or not,
+    oldest first, as (step, path); `verify_checkpoint` says which are intact.
+
+    Examples:
+        >>> import keras, numpy as np, kerastower as kt
+        >>> inputs = keras.Input((3,))
+        >>> model = kt.TowerModel(inputs, keras.layers.Dense(1)(inputs))
+        >>> path = kt.checkpoint.write_checkpoint(
+        ...     "ckpt", model, {"global_step": 7, "epoch_num": 1, "local_step": 7})
+        >>> kt.checkpoint.list_checkpoints("ckpt")
+        [(7, 'ckpt/ckpt-00000007')]
+    """
+    found = {}
+    for step, path in checkpoint_files.candidates(directory):
+        found[step] = path  # ckpt-N comes after ckpt-N.previous
+    return sorted(found.items())
+
+
+def verify_checkpoint(path):
+    """The manifest of the checkpoint at `path` if it is complete, intact and
+    finite; else raises DamagedCheckpointError saying why.
+
+    Examples:
+        >>> import keras, numpy as np, kerastower as kt
+        >>> inputs = keras.Input((3,))
+        >>> model = kt.TowerModel(inputs, keras.layers.Dense(1)(inputs))
+        >>> path = kt.checkpoint.write_checkpoint(
+        ...     "ckpt", model, {"global_step": 7, "epoch_num": 1, "local_step": 7})
+        >>> kt.checkpoint.verify_checkpoint(path)["global_step"]
+        7
+        >>> with open(path + "/state.json", "a") as f:      # one byte more
+        ...     _ = f.write(" ")
+        >>> kt.checkpoint.verify_checkpoint(path)
+        Traceback (most recent call last):
+        ...
+        kerastower.checkpoint_files.DamagedCheckpointError: The checkpoint ckpt/ckpt-00000007 cannot be used: wrong size of file state.json: ... bytes, the manifest says .... ...
+    """
+    return checkpoint_files.verify(path)
+
+
+def latest_checkpoint(directory):
+    """The path of the newest intact checkpoint in `directory`, or None.
+
+    Examples:
+        >>> import keras, numpy as np, kerastower as kt
+        >>> inputs = keras.Input((3,))
+        >>> model = kt.TowerModel(inputs, keras.layers.Dense(1)(inputs))
+        >>> path = kt.checkpoint.write_checkpoint(
+        ...     "ckpt", model, {"global_step": 7, "epoch_num": 1, "local_step": 7})
+        >>> kt.checkpoint.latest_checkpoint("ckpt")
+        'ckpt/ckpt-00000007'
+    """
+    for _, path in reversed(checkpoint_files.candidates(directory)):
+        try:
+            checkpoint_files.verify(path)
+            return path
+        except DamagedCheckpointError:
+            continue
+    return None
+
+
+def clean_up(directory):
+    """Removes the temporary folders killed writes left in `directory`;
+    returns the paths removed. One process writes a directory at a time.
+
+    Examples:
+        >>> import os, kerastower as kt
+        >>> os.makedirs("ckpt/.writing-1234")       # what a save killed midway leaves
+        >>> kt.checkpoint.clean_up("ckpt")
+        ['ckpt/.writing-1234']
+    """
+    return checkpoint_files.clean_up(directory)
+
+
+def _all_finite(value):
+    return not checkpoint_variables.is_floating(value.dtype) or bool(np.isfinite(value).all())
+
+
+def _sync(model):
+    """Has the model's variables hold what its towers hold (JAX keeps the
+    weights on the devices between steps), dropping that held state, so
+    that what is saved is current and what is restored is used next."""
+    sync = getattr(model, "jax_state_sync", None)
+    if sync is not None:
+        sync()
+
+
+def _state_text(state):
+    """`state` as JSON, or a KerasTowerError when no resume could read it."""
+    missing = [key for key in checkpoint_files.REQUIRED_STATE if key not in state]
+    if missing:
+        raise KerasTowerError(
+            f"The checkpoint state {state!r} lacks {missing}: a resume reads the "
+            "loop's position from them. Give global_step, epoch_num and local_step."
+        )
+    try:
+        return json.dumps(state, indent=1, sort_keys=True)
+    except (TypeError, ValueError) as error:
+        raise KerasTowerError(
+            f"The checkpoint state must be JSON-able; json says: {error}. Store "
+            "numbers, strings, lists and dicts."
+        ) from None
+
+
+def write_checkpoint(directory, model, state, retention=None):
+    """Writes the variables of `model` and its optimizers, and `state` (a
+    JSON-able dict with a `global_step`), as `ckpt-<global_step>`; returns
+    its path. `retention` (JSON-able) goes into the manifest. Raises
+    NonFiniteCheckpointError, writing nothing, when a variable holds NaN or Inf.
+
+    `state` must hold `global_step`, `epoch_num` and `local_step` (the loop's
+    position, which a resume reads); other JSON-able keys are kept.
+
+    Examples:
+        >>> import keras, kerastower as kt
+        >>> inputs = keras.Input((3,))
+        >>> model = kt.TowerModel(inputs, keras.layers.Dense(1)(inputs))
+        >>> kt.checkpoint.write_checkpoint(
+        ...     "ckpt", model, {"global_step": 7, "epoch_num": 1, "local_step": 7})
+        'ckpt/ckpt-00000007'
+    """
+    state_text = _state_text(state)
+    step = int(state["global_step"])
+    _sync(model)
+    keyed = keyed_variables(model)
+    values = [checkpoint_variables.host_value(v) for _, _, v in keyed]
+    finite = [_all_finite(value) for value in values]
+    bad = [key for (key, _, _), ok in zip(keyed, finite) if not ok]
+    if bad:
+        raise NonFiniteCheckpointError(step, bad)
+
+    def fill(folder):
+        checkpoint_variables.write(folder, [key for key, _, _ in keyed], values)
+        with open(os.path.join(folder, checkpoint_files.STATE), "w") as f:
+            f.write(state_text)
+
+    fields = {
+        "variables": [
+            {"key": key, "path": path, "shape": list(value.shape),
+             "dtype": checkpoint_variables.dtype_name(value.dtype), "finite": ok}
+            for (key, path, _), value, ok in zip(keyed, values, finite)
+        ],
+        "retention": retention or {},
+    }
+    return checkpoint_files.commit(directory, step, fill, fields)
+
+
+def _match(manifest, keyed):
+    """(pairs of (key, variable) to restore, missing, unexpected, reshaped)."""
+    saved = {v["key"]: v for v in manifest["variables"]}
+    pairs, missing, reshaped = [], [], []
+    for key, _, variable in keyed:
+        shape, dtype = list(variable.shape), checkpoint_variables.dtype_name(variable.dtype)
+        if key not in saved:
+            missing.append((key, tuple(shape)))
+        elif (saved[key]["shape"], saved[key]["dtype"]) != (shape, dtype):
+            reshaped.append((key, f"{tuple(saved[key]['shape'])} {saved[key]['dtype']}",
+                             f"{tuple(shape)} {dtype}"))
+        else:
+            pairs.append((key, variable))
+    known = {key for key, _, _ in keyed}
+    unexpected = [
+        (v["key"], tuple(v["shape"])) for v in manifest["variables"] if v["key"] not in known
+    ]
+    return pairs, missing, unexpected, reshaped
+
+
+def read_checkpoint(path, model, allow_partial=False):
+    """Restores the model and its optimizers from the checkpoint at `path`,
+    matching variables by key; returns its state dict.
+
+    Raises DamagedCheckpointError (nothing restored) when the checkpoint is
+    incomplete, damaged or holds NaN/Inf, and CheckpointMismatchError when
+    the variables do not fit, unless `allow_partial`, which restores those
+    that fit and warns about the others.
+
+    Examples:
+        >>> import keras, numpy as np, kerastower as kt
+        >>> inputs = keras.Input((3,))
+        >>> model = kt.TowerModel(inputs, keras.layers.Dense(1)(inputs))
+        >>> path = kt.checkpoint.write_checkpoint(
+        ...     "ckpt", model, {"global_step": 7, "epoch_num": 1, "local_step": 7})
+        >>> kernel = model.layers[-1].kernel
+        >>> saved = kernel.numpy()
+        >>> _ = kernel.assign(np.zeros((3, 1)))
+        >>> kt.checkpoint.read_checkpoint(path, model)
+        {'epoch_num': 1, 'global_step': 7, 'local_step': 7}
+        >>> bool(np.array_equal(kernel.numpy(), saved))
+        True
+    """
+    manifest = checkpoint_files.verify(path)
+    with open(os.path.join(path, checkpoint_files.STATE)) as f:
+        state = json.load(f)
+    pairs, missing, unexpected, reshaped = _match(manifest, keyed_variables(model))
+    if missing or unexpected or reshaped:
+        if not allow_partial:
+            raise CheckpointMismatchError(path, missing, unexpected, reshaped)
+        warnings.warn(
+            f"kerastower: partial restore from {path} (allow_partial=True); not restored:"
+            f"{_describe(missing, unexpected, reshaped)}",
+            stacklevel=2,
+        )
+    try:
+        stored = checkpoint_variables.read(path, [key for key, _ in pairs])
+        values = [(key, variable, value) for (key, variable), value in zip(pairs, stored)]
+    except (OSError, ValueError) as error:
+        raise DamagedCheckpointError(path, f"unreadable variables ({error})") from None
+    bad = [key for key, _, value in values if not _all_finite(value)]
+    if bad:
+        raise DamagedCheckpointError(
+            path, f"non-finite values (NaN or Inf) in {', '.join(bad[:5])}"
+        )
+    _sync(model)  # else the towers' held weights would overwrite the restored ones
+    for _, variable, value in values:
+        variable.assign(value)
+    return state
+
+
+def restore_latest(directory, model, allow_partial=False):
+    """Restores the newest intact checkpoint in `directory`; returns (path,
+    state dict), or (None, None) when there is no checkpoint.
+
+    Each damaged, incomplete or non-finite checkpoint on the way is skipped
+    with a warning saying why; when there are checkpoints and none is
+    intact, raises a KerasTowerError naming each and its reason.
+
+    Examples:
+        >>> import keras, numpy as np, kerastower as kt
+        >>> inputs = keras.Input((3,))
+        >>> model = kt.TowerModel(inputs, keras.layers.Dense(1)(inputs))
+        >>> path = kt.checkpoint.write_checkpoint(
+        ...     "ckpt", model, {"global_step": 7, "epoch_num": 1, "local_step": 7})
+        >>> kt.checkpoint.restore_latest("ckpt", model)
+        ('ckpt/ckpt-00000007', {'epoch_num': 1, 'global_step': 7, 'local_step': 7})
+        >>> kt.checkpoint.restore_latest("no-checkpoints-here", model)
+        (None, None)
+    """
+    skipped = []
+    for _, path in reversed(checkpoint_files.candidates(directory)):
+        try:
+            return path, read_checkpoint(path, model, allow_partial=allow_partial)
+        except DamagedCheckpointError as error:
+            skipped.append((path, error.reason))
+            warnings.warn(
+                f"kerastower: skipping the checkpoint {path}: {error.reason}; trying an older one.",
+                stacklevel=2,
+            )
+    if skipped:
+        listing = "".join(f"\n  {path}: {reason}" for path, reason in skipped)
+        raise KerasTowerError(
+            f"No intact checkpoint in {directory}; every one is damaged:{listing}\n"
+            "Restore one from a backup, or move them away to start training from scratch."
+        )
+    return None, None

@@ -1,1 +1,0 @@
-"""Step engines: the compiled tower step, one module per backend."""

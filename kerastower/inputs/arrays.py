@@ -1,0 +1,108 @@
+"""numpy arrays as an InputSource: per-tower batches, reshuffled every pass.
+
+What `fit(x, y, batch_size=...)` trains on: `as_input_source` (sources.py)
+makes one from arrays, with `batch_size` examples per tower.
+"""
+
+import numpy as np
+import tensorflow as tf
+
+from kerastower.errors import InputSourceError
+from kerastower.inputs.sources import DatasetInput
+
+__all__ = ["ArrayInput"]
+
+
+def _lists_to_tuples(structure):
+    """Keras reads a list of arrays as several inputs; tf.data would stack it."""
+    if isinstance(structure, list):
+        return tuple(_lists_to_tuples(v) for v in structure)
+    if isinstance(structure, tuple):
+        return tuple(_lists_to_tuples(v) for v in structure)
+    if isinstance(structure, dict):
+        return {k: _lists_to_tuples(v) for k, v in structure.items()}
+    return structure
+
+
+class ArrayInput(DatasetInput):
+    """numpy arrays cut into per-tower batches, reshuffled every pass.
+
+    Elements are laid out as Keras unpacks them: `(x,)`, `(x, y)` or
+    `(x, y, sample_weight)`. With `repeat`, the passes follow each other
+    endlessly (for `steps_per_epoch`), each one reshuffled.
+    """
+
+    def __init__(self, x, y, sample_weight, batch_size, shuffle, repeat=False):
+        if y is None and sample_weight is not None:
+            raise InputSourceError(
+                "sample_weight was given without y; kerastower needs targets to "
+                "weight. Pass y, or put the weights into the loss yourself."
+            )
+        x, y, sample_weight = (_lists_to_tuples(a) for a in (x, y, sample_weight))
+        element = tuple(a for a in (x, y, sample_weight) if a is not None)
+        lengths = {int(np.shape(a)[0]) for a in tf.nest.flatten(element)}
+        if len(lengths) != 1:
+            raise InputSourceError(
+                "x, y and sample_weight must have the same number of examples; "
+                f"got lengths {sorted(lengths)}."
+            )
+        self._element = element
+        self._length = lengths.pop()
+        self._shuffle = shuffle
+        self._repeat = repeat
+        # An explicit seed (from numpy's generator, which
+        # keras.utils.set_random_seed seeds) makes the order replayable.
+        self._seed = int(np.random.randint(2**31 - 1)) if shuffle else None
+        self.batch_size = batch_size
+        super().__init__(self._make_dataset())
+
+    deals_out = True
+
+    def _tower_share(self, ctx, skip):
+        # One index stream per tower, kept: its reshuffling moves on once
+        # per pass (per iterator), so a resumed pass's copy, made later,
+        # goes on with the order of the pass it resumes, as the shared
+        # pipeline does.
+        key = (ctx.index, ctx.total, self._seed)
+        if key not in self._tower_streams:
+            self._tower_streams[key] = self._index_batches()
+        return self._gathered(self._tower_streams[key].skip(skip).shard(ctx.total, ctx.index))
+
+    def _make_dataset(self):
+        self._tower_streams = {}
+        return self._gathered(self._index_batches())
+
+    def _index_batches(self):
+        # Batches of example indices, shuffled as the examples would be (a
+        # shuffle's order depends on its seed and size only), then one
+        # gather per batch (`_gathered`): far cheaper than slicing every
+        # example and batching them one by one.
+        indices = tf.data.Dataset.range(self._length)
+        if self._shuffle:
+            indices = indices.shuffle(self._length, seed=self._seed, reshuffle_each_iteration=True)
+        if self._repeat:
+            # Endless, so every tower always gets a whole batch: a static
+            # batch size (when the passes divide evenly) spares the step
+            # reducing the towers' example counts.
+            whole = self._length % self.batch_size == 0
+            indices = indices.batch(self.batch_size, drop_remainder=whole).repeat()
+        else:
+            indices = indices.batch(self.batch_size)
+        return indices
+
+    def _gathered(self, indices):
+        arrays = tf.data.Dataset.from_tensors(self._element).repeat()
+        return tf.data.Dataset.zip((indices, arrays)).map(
+            lambda batch, element: tf.nest.map_structure(lambda a: tf.gather(a, batch), element),
+            num_parallel_calls=tf.data.AUTOTUNE, deterministic=True,
+        ).prefetch(tf.data.AUTOTUNE)
+
+    def distribute(self, strategy, skip_batches=None):
+        if self._shuffle:
+            # Every process must shuffle alike before taking its shard, or
+            # the shards would overlap: the chief's seed wins.
+            seed = strategy.broadcast_object(self._seed)
+            if seed != self._seed:
+                self._seed = seed
+                self._dataset = self._make_dataset()
+        return super().distribute(strategy, skip_batches=skip_batches)

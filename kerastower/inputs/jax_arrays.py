@@ -1,0 +1,112 @@
+"""numpy arrays as per-tower batches on the JAX backend.
+
+As on TensorFlow (arrays.py), the towers take successive batches of
+`batch_size` examples: tower k of step s takes batch `s * N + k` of the pass,
+so `total batch = batch_size x N`. One difference: a step's batches form one
+array sharded over the towers, so they need one shape. The last step of a
+pass, when it has fewer than `batch_size x N` examples, therefore runs as
+one tower on all of them: on the joined batch, what N towers with an
+example-weighted reduce would compute.
+
+Examples:
+    >>> import numpy as np
+    >>> from kerastower.jax_inputs import ArrayBatches
+    >>> batches = ArrayBatches(np.arange(10.0)[:, None], np.zeros(10), batch_size=2)
+    >>> [[b[0][:, 0].tolist() for b in step] for step in batches.one_pass(num_towers=2)]
+    [[[0.0, 1.0], [2.0, 3.0]], [[4.0, 5.0], [6.0, 7.0]], [[8.0, 9.0]]]
+"""
+
+import itertools
+
+import jax
+import numpy as np
+
+from kerastower.errors import InputSourceError
+
+__all__ = ["ArrayBatches"]
+
+
+class ArrayBatches:
+    """numpy arrays cut into per-tower batches, reshuffled every pass.
+
+    Elements are laid out as Keras unpacks them: `(x,)`, `(x, y)` or
+    `(x, y, sample_weight)`; `x` may be a list or dict of arrays.
+    """
+
+    # Reading batches ahead changes nothing: fit places the next step's
+    # while one runs.
+    read_ahead = True
+
+    def __init__(self, x, y=None, sample_weight=None, batch_size=32, shuffle=False):
+        if y is None and sample_weight is not None:
+            raise InputSourceError(
+                "sample_weight was given without y; kerastower needs targets to "
+                "weight. Pass y, or put the weights into the loss yourself."
+            )
+        self._element = tuple(a for a in (x, y, sample_weight) if a is not None)
+        leaves = jax.tree.leaves(self._element)
+        if not leaves or not all(hasattr(a, "shape") and np.ndim(a) >= 1 for a in leaves):
+            raise InputSourceError(
+                "On the JAX backend, fit, evaluate and predict take numpy arrays (or "
+                "lists and dicts of them), a Python generator or iterable of batches, "
+                "or a keras.utils.PyDataset; got "
+                f"{[type(a).__name__ for a in leaves] or type(x).__name__}."
+            )
+        lengths = {int(np.shape(a)[0]) for a in leaves}
+        if len(lengths) != 1:
+            raise InputSourceError(
+                "x, y and sample_weight must have the same number of examples; "
+                f"got lengths {sorted(lengths)}."
+            )
+        self.length = lengths.pop()
+        self.batch_size = batch_size
+        self._shuffle = shuffle
+        # From numpy's generator, which keras.utils.set_random_seed seeds:
+        # every pass's order is replayable.
+        self.shuffle_seed = int(np.random.randint(2**31 - 1)) if shuffle else None
+
+    def check_finite(self, method, argument=None):
+        """Arrays always end: nothing to check."""
+
+    def steps(self, num_towers):
+        """Steps in one pass with `num_towers` towers."""
+        return -(-self.length // (self.batch_size * num_towers))
+
+    def first_batch(self):
+        """Tower 0's first batch (what the model is built from)."""
+        return self._take(np.arange(min(self.batch_size, self.length)))
+
+    def _take(self, indices):
+        return jax.tree.map(lambda a: np.asarray(a)[indices], self._element)
+
+    def _order(self, pass_index):
+        if not self._shuffle:
+            return np.arange(self.length)
+        return np.random.default_rng([self.shuffle_seed, pass_index]).permutation(self.length)
+
+    def one_pass(self, num_towers, pass_index=0, skip_steps=0):
+        """The steps of pass `pass_index`, from step `skip_steps` on.
+
+        Each is a list of per-tower batches (one batch holding the rest, for
+        a last step short of a whole one). A resumed pass replays the same
+        order from the seed, less the `skip_steps` steps taken before."""
+        order = self._order(pass_index)
+        whole = self.batch_size * num_towers
+        for start in range(skip_steps * whole, self.length, whole):
+            step = order[start:start + whole]
+            if len(step) == whole:
+                yield [self._take(part) for part in np.split(step, num_towers)]
+            else:
+                yield [self._take(step)]
+
+    def endless(self, num_towers, first_pass=0, skip_steps=0):
+        """Pass after pass, each reshuffled, less the first `skip_steps` steps of all."""
+        per_pass = self.steps(num_towers)
+        if per_pass == 0:
+            return iter(())
+        first_pass += skip_steps // per_pass
+        skip_steps %= per_pass
+        return itertools.chain(
+            self.one_pass(num_towers, first_pass, skip_steps),
+            itertools.chain.from_iterable(
+                self.one_pass(num_towers, p) for p in itertools.count(first_pass + 1)))

@@ -1,0 +1,138 @@
+"""What an iteration of `TowerModel.fit` is: one call of the compiled tower step.
+
+`MainLoop` (main_loop.py) runs the epochs and the callbacks; `FitSteps` runs up
+to `steps_per_execution` steps per call on the per-tower input, keeps the
+input position, and adds validation to the epoch's logs.
+"""
+
+import keras
+import numpy as np
+
+from kerastower import _compat
+from kerastower.callbacks.base import RunHooks
+from kerastower.callbacks.base import unwrapped
+from kerastower.errors import nonfinite_error
+from kerastower.errors import InputSourceError
+from kerastower.loop.main_loop import Iteration
+from kerastower.loop.main_loop import announce_total_batch
+
+__all__ = ["FitSteps"]
+
+
+class FitSteps(Iteration):
+    """fit's iteration over `source`, with optional validation.
+
+    Args:
+        model: the TowerModel.
+        source: the InputSource to train on.
+        callbacks: the run's CallbackList (its kt callbacks see every call
+            of the step function as a hooked run).
+        steps_per_epoch: None makes an epoch one pass over `source`.
+        validation: None, or a dict of `evaluate` arguments plus `freq`.
+        verbose: 0 keeps the total-batch line quiet.
+    """
+
+    def __init__(self, model, source, callbacks, steps_per_epoch, validation=None, verbose=1):
+        self.model = model
+        self.source = source
+        self.callbacks = callbacks
+        self.run_hooks = RunHooks(callbacks)
+        self.steps_per_epoch = steps_per_epoch
+        self.validation = validation
+        self.verbose = verbose
+        self.steps_per_call = model.steps_per_execution
+        self.logs = {}
+        self._announced = False
+        self.failure = None
+        self.terminate_on_nan = any(
+            isinstance(unwrapped(callback), keras.callbacks.TerminateOnNaN)
+            for callback in getattr(callbacks, "callbacks", callbacks or [])
+        )
+
+    def start(self, skip_batches, epoch_num):
+        self.feed = self.model.engine.fit_feed(self.source, self.steps_per_epoch, self.steps_per_call)
+        self.feed.start(skip_batches, epoch_num)
+
+    def before_epoch(self, loop):
+        self.model.reset_metrics()
+        self.loop = loop
+        self.feed.begin_pass(loop)
+
+    def run(self, num_steps):
+        self.run_hooks.before_run()
+        run = self.feed.run(num_steps, self.loop)
+        self.run_hooks.after_run(run.logs)
+        if run.nonfinite_towers is not None:
+            # The loop counts the steps before the failed one, then
+            # ended_early raises.
+            self.failure = (self.loop.global_step + run.done + 1, run.nonfinite_towers)
+        if run.taken:
+            # The step function's logs are the metrics read across towers
+            # (and processes); the model's own read would be this process's.
+            self.logs = run.logs
+            taken = np.asarray(self.loop.tower_batches, np.int64) + np.asarray(run.tower_batches, np.int64)
+            self.loop.tower_batches = taken.tolist()
+            self.loop.examples_seen += run.examples
+            self._announce_total_batch(run.tower_examples)
+        return run.done, self.logs
+
+    def ended_early(self, loop, step):
+        if self.failure is not None:
+            error = nonfinite_error(*self.failure, self.model.num_towers)
+            if not self.terminate_on_nan:
+                raise error
+            # Keras's TerminateOnNaN asks for a normal end.
+            _compat.print_msg(f"{error} TerminateOnNaN ends training.")
+            self.model.stop_training = True
+            return
+        if self.steps_per_epoch:
+            raise InputSourceError(
+                f"The input ran out after {step} of steps_per_epoch="
+                f"{self.steps_per_epoch} steps in epoch {loop.epoch_num}. With "
+                "steps_per_epoch set, an epoch is only the period at which "
+                "callbacks run, every step takes one batch per tower "
+                f"({self.model.num_towers}), and the input must not end: call "
+                ".repeat() on a tf.data.Dataset, make a generator loop forever, "
+                "or leave steps_per_epoch unset to make an epoch one pass over "
+                "the data."
+            )
+        if step == 0:
+            raise InputSourceError(
+                "The input gave no batch at all: it is empty, or (with "
+                "steps_per_epoch unset) it was a one-shot source already used up."
+            )
+
+    def epoch_logs(self, loop):
+        self.model.engine.sync_state()  # epoch-end callbacks and validation read the weights
+        logs = self._logs_of_every_tower()
+        validation = self.validation
+        if validation is not None and _due(loop.epoch_num - 1, validation["freq"]):
+            values = self.model.evaluate(
+                validation["source"],
+                steps=validation["steps"],
+                callbacks=self.callbacks,
+                return_dict=True,
+                _from_fit=True,
+            )
+            logs.update({f"val_{k}": v for k, v in values.items()})
+        return logs
+
+    def _logs_of_every_tower(self):
+        return self.model.engine.logs_of_every_tower(self.logs)
+
+    def finish(self):
+        model = self.model
+        if model.optimizer is not None and hasattr(model.optimizer, "finalize_variable_values"):
+            model.optimizer.finalize_variable_values(model.trainable_weights)
+
+    def _announce_total_batch(self, tower_examples):
+        if not self._announced:
+            self._announced = True
+            announce_total_batch(self.model.tower_strategy, self.verbose, tower_examples)
+
+
+def _due(epoch, validation_freq):
+    """Keras's rule: validate every `freq` epochs, or in the listed ones."""
+    if isinstance(validation_freq, int):
+        return (epoch + 1) % validation_freq == 0
+    return epoch + 1 in validation_freq

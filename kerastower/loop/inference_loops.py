@@ -1,0 +1,73 @@
+"""The loops of `TowerModel.evaluate` and `predict`: no training, no epochs.
+
+Written once for every backend, over the model's step engine
+(kerastower/backend/engine.py): evaluation reads the metrics across towers,
+so every example counts once; prediction concatenates the towers' outputs
+step by step, which restores the input order (tower k of a step took the
+step's k-th batch). Keras's test and predict callbacks run around each step.
+"""
+
+import keras
+import numpy as np
+
+from kerastower import _compat
+from kerastower.errors import InputSourceError
+
+__all__ = ["evaluate_loop", "predict_loop"]
+
+
+def evaluate_loop(model, source, steps, callbacks):
+    """Evaluates `model` on `source` (up to `steps` steps); returns the logs."""
+    engine = model.engine
+    iterator = engine.open_inference(source)
+    model.stop_evaluating = False
+    callbacks.on_test_begin()
+    model.reset_metrics()
+    logs, step = {}, 0
+    while not steps or step < steps:
+        want = model.steps_per_execution if not steps else min(model.steps_per_execution, steps - step)
+        callbacks.on_test_batch_begin(step)
+        run = engine.test_steps(iterator, want, step)
+        if run.done:
+            logs = run.logs
+            step += run.done
+            callbacks.on_test_batch_end(step - 1, logs)
+        if run.done < want or model.stop_evaluating:
+            break
+    if step == 0:
+        raise InputSourceError(
+            "evaluate() got no batch: the input is empty (or a one-shot source "
+            "already used up), so there is nothing to measure. Pass data with at "
+            "least one example."
+        )
+    logs = _compat.pythonify_logs(engine.logs_of_every_tower(logs))
+    callbacks.on_test_end(logs)
+    return logs
+
+
+def predict_loop(model, source, steps, callbacks):
+    """`model`'s outputs on `source` (up to `steps` steps), in input order."""
+    engine = model.engine
+    iterator = engine.open_inference(source)
+    model.stop_predicting = False
+    callbacks.on_predict_begin()
+    batches, step = [], 0
+    while not steps or step < steps:
+        callbacks.on_predict_batch_begin(step)
+        outputs = engine.predict_step(iterator, step)
+        if outputs is None:
+            break
+        batches.append(outputs)
+        callbacks.on_predict_batch_end(step, {"outputs": outputs})
+        step += 1
+        if model.stop_predicting:
+            break
+    callbacks.on_predict_end()
+    if not batches:
+        raise InputSourceError(
+            "predict() got no batch: the input is empty (or a one-shot source "
+            "already used up). Pass data with at least one example."
+        )
+    return keras.tree.map_structure(
+        lambda *parts: np.concatenate([np.asarray(p) for p in parts], axis=0), *batches
+    )

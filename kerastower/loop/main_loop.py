@@ -1,0 +1,377 @@
+"""The one training loop, shared by `TowerModel.fit` and `kt.Trainer.train`.
+
+Training is running some iterations:
+
+    for epoch_num in range(starting_epoch, max_epoch + 1):
+        for local_step in range(steps_per_epoch):
+            run_step()
+
+and an epoch is only the period at which callbacks run. `MainLoop` runs
+that loop and schedules every callback around it; what an iteration is
+comes from an `Iteration` (fit: one call of the compiled tower step, see
+`fit_steps.py`; kt.Trainer: its `run_step()`). `epoch_num` is 1-based, as in
+tensorpack; Keras callbacks get the 0-based `epoch_num - 1`.
+"""
+
+import os
+import warnings
+
+import keras
+
+from kerastower import _compat
+from kerastower.callbacks.defaults import TENSORBOARD_KINDS
+from kerastower.callbacks.defaults import with_default_monitors
+from kerastower.callbacks.base import Callback as KtCallback
+from kerastower.callbacks.base import unwrapped
+from kerastower.errors import StrategyError
+from kerastower.checkpoint.resume_state import ResumeState
+
+__all__ = ["LoopState", "MainLoop", "Iteration", "StopTraining", "training_callbacks"]
+
+
+class StopTraining(Exception):
+    """Raise it from a step or from a callback to end training now.
+
+    The loop stops at once (the current epoch does not finish), every
+    callback's `_after_train` runs, and `fit` / `train()` return normally.
+
+    Examples:
+        >>> import kerastower as kt
+        >>> class TenSteps(kt.Trainer):
+        ...     def run_step(self):
+        ...         if self.global_step == 10:
+        ...             raise kt.StopTraining("ten steps are enough")
+        >>> trainer = TenSteps()
+        >>> _ = trainer.train(steps_per_epoch=4, max_epoch=5, verbose=0)
+        TenSteps: training was stopped at global step 10: ten steps are enough.
+        >>> trainer.global_step
+        10
+    """
+
+
+class LoopState:
+    """The counters of the training loop, readable from any callback.
+
+    Attributes:
+        starting_epoch: the first epoch_num of this run (1-based).
+        max_epoch: the last epoch_num (Keras's `epochs`).
+        steps_per_epoch: steps in an epoch, or None when an epoch is one pass
+            over data of unknown length.
+        epoch_num: the current (or last) epoch, 1-based; 0 before training.
+        local_step: steps done in the current epoch.
+        global_step: steps done, continuous across epochs, calls and resumed
+            runs. The loop counts them itself, so a step LossScaleOptimizer
+            skips still counts.
+        tower_batches: batches each tower has taken from the input in this
+            run (since the current pass began, when an epoch is one pass):
+            the input position a checkpoint records.
+        examples_seen: examples trained on by all towers, in this process.
+        epoch_ended: True from the end of an epoch's last step until the
+            next epoch begins (checkpoints written then resume at the next).
+        one_pass: True when an epoch is one pass over the input (fit without
+            steps_per_epoch).
+        training_failed: True while the callbacks' after_train runs for a
+            training that raised (not for StopTraining).
+        logdir: the run's log folder (`fit(logdir=...)`), or None: where
+            callbacks without a folder of their own write (MinSaver).
+
+    Examples:
+        >>> import keras, numpy as np, kerastower as kt
+        >>> class PrintWhere(keras.callbacks.Callback):
+        ...     def on_epoch_end(self, epoch, logs=None):
+        ...         loop = self.model.loop
+        ...         print(loop.epoch_num, loop.local_step, loop.global_step)
+        >>> inputs = keras.Input((3,))
+        >>> model = kt.TowerModel(inputs, keras.layers.Dense(1)(inputs))
+        >>> model.compile(optimizer="sgd", loss="mse")
+        >>> _ = model.fit(np.ones((12, 3)), np.ones((12, 1)), batch_size=4, epochs=2,
+        ...               verbose=0, callbacks=[PrintWhere()])
+        1 3 3
+        2 3 6
+    """
+
+    def __init__(self):
+        self.global_step = 0
+        self.starting_epoch = 1
+        self.max_epoch = 0
+        self.steps_per_epoch = None
+        self.epoch_num = 0
+        self.local_step = 0
+        self.tower_batches = []
+        self.examples_seen = 0
+        self.epoch_ended = False
+        self.one_pass = False
+        self.training_failed = False
+        self.logdir = None
+
+    def __repr__(self):
+        return (
+            f"LoopState(epoch_num={self.epoch_num}, local_step={self.local_step}, "
+            f"global_step={self.global_step}, steps_per_epoch={self.steps_per_epoch}, "
+            f"starting_epoch={self.starting_epoch}, max_epoch={self.max_epoch})"
+        )
+
+
+class Iteration:
+    """What one iteration of the loop is: the part fit and kt.Trainer differ in.
+
+    `run(num_steps)` runs up to `num_steps` steps through the hooked path and
+    returns (steps run, their logs); fewer than asked means the input ended.
+    """
+
+    steps_per_call = 1
+
+    def start(self, skip_batches, epoch_num):
+        """Before the first epoch (`epoch_num`): open the input, skipping
+        `skip_batches` (batches each tower took before a resume, counted from
+        the pass's start when an epoch is one pass; None for a fresh start)."""
+
+    def before_epoch(self, loop):
+        """At the start of every epoch, before the callbacks' hooks."""
+
+    def run(self, num_steps):
+        raise NotImplementedError
+
+    def ended_early(self, loop, step):
+        """The input ended after `step` steps of the epoch: raise if that is an error."""
+
+    def epoch_logs(self, loop):
+        """The epoch's logs, given to on_epoch_end."""
+        return {}
+
+    def finish(self):
+        """After the last epoch, before on_train_end."""
+
+
+def announce_total_batch(strategy, verbose, tower_examples):
+    """The start line of a training run, on the chief: the towers, each
+    one's batch (`tower_examples`, by tower) and the total batch."""
+    if verbose == 0 or not strategy.is_chief:
+        return
+    counts = [int(n) for n in tower_examples]
+    if len(set(counts)) == 1:
+        per_tower = f"{len(counts)} tower(s) x {counts[0]} examples"
+    else:
+        per_tower = f"towers took {', '.join(map(str, counts))} examples"
+    _compat.print_msg(f"kerastower: {per_tower} = total batch {sum(counts)} per step")
+
+
+_KERAS_CHIEF_ONLY = (
+    keras.callbacks.TensorBoard,
+    keras.callbacks.ModelCheckpoint,
+    keras.callbacks.CSVLogger,
+    keras.callbacks.ProgbarLogger,
+)
+
+
+def callbacks_for_this_process(strategy, callbacks):
+    """Drops `chief_only` callbacks on processes that are not the chief.
+    Keras's callbacks that write files or print count as chief-only."""
+    if callbacks is None or strategy.is_chief:
+        return callbacks
+    return [
+        cb for cb in callbacks
+        if not getattr(cb, "chief_only", isinstance(cb, _KERAS_CHIEF_ONLY))
+    ]
+
+
+def training_callbacks(model, callbacks, verbose, logdir, epochs, steps):
+    """The CallbackList a training run calls: the user's callbacks with the
+    default monitors, those of this process only, with a History."""
+    model.loop.logdir = None if logdir is None else os.fspath(logdir)
+    if isinstance(callbacks, keras.callbacks.CallbackList):
+        return callbacks
+    return keras.callbacks.CallbackList(
+        callbacks_for_this_process(
+            model.tower_strategy, with_default_monitors(callbacks, verbose, logdir)
+        ),
+        add_history=True,
+        add_progbar=False,
+        verbose=verbose,
+        epochs=epochs,
+        steps=steps,
+        model=model,
+    )
+
+
+def check_strategy(model, method):
+    """Refuses to run a model under another strategy than the one it was
+    created under (its variables live on that strategy's devices)."""
+    from kerastower.strategies import base as strategies
+
+    active = strategies.current_strategy()
+    if strategies.is_explicit() and _placement(active) is not _placement(model.tower_strategy):
+        same_kind = (
+            " (another object of the same kind: each kt.distributed(...) call makes its "
+            "own strategy, so enter one object, e.g. `towers = kt.distributed(...)`, for "
+            "both)" if repr(active) == repr(model.tower_strategy) else ""
+        )
+        raise StrategyError(
+            f"{method}() runs under {active} but this model was created under "
+            f"{model.tower_strategy}{same_kind}. Create the model inside the same "
+            "kt.distributed function or block that calls "
+            f"{method}(), so its variables live on the towers that train it."
+        )
+
+
+def _placement(strategy):
+    """What places a strategy's towers: its tf.distribute strategy on
+    TensorFlow (wrappers of one are made anew), itself on JAX."""
+    return getattr(strategy, "tf_strategy", strategy)
+
+
+class MainLoop:
+    """Runs an `Iteration` in epochs, with callbacks (tensorpack's main_loop).
+
+    The order, for fit and kt.Trainer alike: AutoResume's checkpoint is
+    restored on the chief and its variables and resume state broadcast to
+    every process; on_train_begin; then per epoch on_epoch_begin, per step
+    on_train_batch_begin, the hooked run, on_train_batch_end; then
+    on_epoch_end with the epoch's logs; on_train_end at the end or when a
+    StopTraining ends it. When training fails, the kt callbacks'
+    after_train still runs (Keras callbacks' on_train_end does not: to
+    Keras it means training completed), and the error is re-raised.
+    """
+
+    def __init__(self, model, loop, callbacks, name):
+        self.model = model
+        self.loop = loop
+        self.callbacks = callbacks
+        self.name = name
+        self.strategy = model.tower_strategy
+
+    def run(self, iteration, starting_epoch, max_epoch, steps_per_epoch, epoch_length=None):
+        """Trains epochs `starting_epoch..max_epoch` (1-based, inclusive).
+
+        `steps_per_epoch` None makes an epoch one pass over the input (whose
+        length, if known, is `epoch_length`).
+        """
+        model, loop, callbacks = self.model, self.loop, self.callbacks
+        check_strategy(model, self.name)
+        loop.starting_epoch = starting_epoch
+        loop.max_epoch = max_epoch
+        loop.steps_per_epoch = steps_per_epoch or epoch_length
+        loop.one_pass = not steps_per_epoch
+        loop.tower_batches = [0] * model.num_towers
+        model.stop_training = False
+        loop.training_failed = False
+        epoch_logs = None
+        try:
+            state = self._restore()
+            callbacks.on_train_begin()
+            epoch_num, first_step, skip = self._start_position(state, starting_epoch, steps_per_epoch)
+            loop.starting_epoch = epoch_num
+            iteration.start(skip, epoch_num)
+            for epoch_num in range(epoch_num, max_epoch + 1):
+                epoch_logs = self._run_epoch(iteration, epoch_num, first_step, steps_per_epoch)
+                first_step = 0
+                if model.stop_training:
+                    break
+            iteration.finish()
+        except StopTraining as stop:
+            _compat.print_msg(
+                f"{self.name}: training was stopped at global step {loop.global_step}"
+                f"{': ' + str(stop) if str(stop) else ''}."
+            )
+            self._after_train(epoch_logs)
+        except BaseException:
+            loop.training_failed = True
+            self._after_train(epoch_logs, failed=True)
+            raise
+        else:
+            self._after_train(epoch_logs)
+
+    def _restore(self):
+        """Restores the newest checkpoint (AutoResume's) on the chief, then
+        gives every process the chief's variables and resume state; returns
+        that state, or None."""
+        state = None
+        self.restored_from = None
+        for callback in getattr(self.callbacks, "callbacks", self.callbacks):
+            restore = getattr(unwrapped(callback), "restore_training_state", None)
+            if restore is not None and self.strategy.is_chief:
+                state = restore() or state
+                self.restored_from = getattr(unwrapped(callback), "restored_from", None)
+        state = self.strategy.broadcast_object(None if state is None else state.to_dict())
+        self.strategy.sync_initial_state(self.model)
+        self.strategy.seed_towers_apart(self.model)
+        if state is None:
+            return None
+        state = ResumeState.from_dict(state)
+        state.check_towers(self.model.num_towers)
+        self.loop.global_step = state.global_step
+        return state
+
+    def _start_position(self, state, starting_epoch, steps_per_epoch):
+        """(first epoch_num, its first step, batches each tower skips)."""
+        loop = self.loop
+        keras_epoch = _compat.initial_epoch(self.model)  # Keras's BackupAndRestore
+        if state is None:
+            return (keras_epoch + 1 if keras_epoch else starting_epoch), 0, None
+        epoch_num, first_step, skip = state.start_position(steps_per_epoch)
+        if skip is not None:
+            loop.tower_batches = list(skip)
+        if self.strategy.is_chief and getattr(self.callbacks, "params", {}).get("verbose", 1):
+            _compat.print_msg(
+                f"{self.name}: resumed from {self.restored_from or 'a checkpoint'} "
+                f"(global step {state.global_step}): going on at epoch {epoch_num}, "
+                f"step {first_step}."
+            )
+        if state.steps_per_epoch != loop.steps_per_epoch and steps_per_epoch:
+            _compat.print_msg(
+                f"{self.name}: the checkpoint was written with steps_per_epoch="
+                f"{state.steps_per_epoch}; with {steps_per_epoch} now, training goes on "
+                f"at epoch {epoch_num}, step 0."
+            )
+        return epoch_num, first_step, skip
+
+    def _run_epoch(self, iteration, epoch_num, first_step, steps_per_epoch):
+        loop, callbacks, model = self.loop, self.callbacks, self.model
+        loop.epoch_num = epoch_num
+        loop.local_step = step = first_step
+        loop.epoch_ended = False
+        iteration.before_epoch(loop)
+        callbacks.on_epoch_begin(epoch_num - 1)
+        while steps_per_epoch is None or step < steps_per_epoch:
+            want = iteration.steps_per_call
+            if steps_per_epoch:
+                want = min(want, steps_per_epoch - step)
+            callbacks.on_train_batch_begin(step)
+            ran, logs = iteration.run(want)
+            if ran:
+                step += ran
+                loop.local_step = step
+                loop.global_step += ran
+                callbacks.on_train_batch_end(step - 1, logs)
+            if ran < want:
+                iteration.ended_early(loop, step)
+                break
+            if model.stop_training:
+                break
+        loop.epoch_ended = True
+        epoch_logs = iteration.epoch_logs(loop)
+        callbacks.on_epoch_end(epoch_num - 1, epoch_logs)
+        return epoch_logs
+
+    def _after_train(self, logs, failed=False):
+        if not failed:
+            try:
+                self.callbacks.on_train_end(logs)
+            except StopTraining:
+                pass
+            return
+        # On failure, tensorpack's after_train runs (kt callbacks); Keras
+        # callbacks keep Keras's contract, where on_train_end means training
+        # completed (BackupAndRestore would delete its backup). TensorBoard's
+        # only closes its writers, which would else stay the thread's
+        # default summary writer after the failed run.
+        for callback in getattr(self.callbacks, "callbacks", []):
+            if not isinstance(callback, (KtCallback, *TENSORBOARD_KINDS)):
+                continue
+            try:
+                callback.on_train_end(logs)
+            except Exception as error:  # the training error is the one to report
+                warnings.warn(
+                    f"kerastower: {type(callback).__name__}.on_train_end failed while "
+                    f"training was failing: {type(error).__name__}: {error}"
+                )

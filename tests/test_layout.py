@@ -1,0 +1,154 @@
+"""The package's layout: packages by concept, no import circles, no module
+importing the package root back, few modules at the top.
+
+Read statically (the source's module-level imports), so that a circle
+fails here even where Python would get away with it today.
+"""
+
+import ast
+import os
+
+import pytest
+
+PACKAGE = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "kerastower")
+TOP_MODULES_AT_MOST = 12
+
+
+def _modules():
+    """{dotted name: path} of every module of kerastower."""
+    found = {}
+    for folder, _, files in os.walk(PACKAGE):
+        for name in files:
+            if name.endswith(".py"):
+                path = os.path.join(folder, name)
+                relative = os.path.relpath(path, os.path.dirname(PACKAGE))[:-3].split(os.sep)
+                if relative[-1] == "__init__":
+                    relative = relative[:-1]
+                found[".".join(relative)] = path
+    return found
+
+
+MODULES = _modules()
+
+
+def _module_level_statements(tree):
+    """Statements run at import: the module's own, and those inside a
+    module-level if/try/with (not inside a def or class)."""
+    pending = list(tree.body)
+    while pending:
+        node = pending.pop(0)
+        yield node
+        if isinstance(node, (ast.If, ast.Try, ast.With)):
+            for field in ("body", "orelse", "finalbody", "handlers"):
+                for child in getattr(node, field, []):
+                    pending.extend(child.body if isinstance(child, ast.ExceptHandler) else [child])
+
+
+def _imports(name, path):
+    """The kerastower modules `name` imports at module level."""
+    with open(path) as f:
+        tree = ast.parse(f.read())
+    package = name if path.endswith("__init__.py") else name.rpartition(".")[0]
+    edges = set()
+    for node in _module_level_statements(tree):
+        if isinstance(node, ast.Import):
+            edges |= {alias.name for alias in node.names if alias.name.startswith("kerastower")}
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                parts = package.split(".")
+                base = ".".join(parts[: len(parts) - node.level + 1] + ([base] if base else []))
+            if not base.startswith("kerastower"):
+                continue
+            for alias in node.names:
+                submodule = f"{base}.{alias.name}"
+                edges.add(submodule if submodule in MODULES else base)
+    return edges
+
+
+GRAPH = {name: _imports(name, path) for name, path in MODULES.items()}
+
+
+def _cycles(graph):
+    """Every strongly connected group of more than one module (Tarjan)."""
+    index, low, stack, on_stack, groups = {}, {}, [], set(), []
+
+    def visit(node):
+        index[node] = low[node] = len(index)
+        stack.append(node)
+        on_stack.add(node)
+        for target in graph.get(node, ()):
+            if target not in graph:
+                continue
+            if target not in index:
+                visit(target)
+                low[node] = min(low[node], low[target])
+            elif target in on_stack:
+                low[node] = min(low[node], index[target])
+        if low[node] == index[node]:
+            group = []
+            while True:
+                member = stack.pop()
+                on_stack.discard(member)
+                group.append(member)
+                if member == node:
+                    break
+            if len(group) > 1 or node in graph.get(node, ()):
+                groups.append(sorted(group))
+
+    for node in sorted(graph):
+        if node not in index:
+            visit(node)
+    return groups
+
+
+def test_the_import_graph_reads_real_imports():
+    # The check below is only worth something if edges are found.
+    assert "kerastower.loop.main_loop" in GRAPH["kerastower.loop"]
+    assert "kerastower.backend.engine" in GRAPH["kerastower.backend.tensorflow.engine"]
+
+
+def test_no_import_circles():
+    graph = {name: edges - {"kerastower"} for name, edges in GRAPH.items()}
+    assert _cycles(graph) == []
+
+
+def test_the_cycle_finder_finds_a_planted_cycle():
+    assert _cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
+
+
+def test_no_module_imports_the_package_root_back():
+    offenders = sorted(name for name, edges in GRAPH.items()
+                       if name != "kerastower" and "kerastower" in edges)
+    assert offenders == []
+
+
+def test_few_modules_at_the_top():
+    top = sorted(n for n in os.listdir(PACKAGE) if n.endswith(".py") and n != "__init__.py")
+    assert len(top) <= TOP_MODULES_AT_MOST, top
+
+
+@pytest.mark.parametrize("package", sorted(
+    name for name, path in MODULES.items() if path.endswith("__init__.py")))
+def test_every_package_says_what_it_holds(package):
+    with open(MODULES[package]) as f:
+        docstring = ast.get_docstring(ast.parse(f.read()))
+    assert docstring and len(docstring.splitlines()[0]) > 10, package
+
+
+def test_moved_modules_still_import_with_a_deprecation_warning():
+    import importlib
+    import sys
+    import warnings
+
+    from kerastower import _moved
+
+    pytest.importorskip("jax")  # some moved modules are the JAX engine's
+    for old, new in sorted(_moved.MOVED.items()):
+        sys.modules.pop(old, None)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            module = importlib.import_module(old)
+        assert module is importlib.import_module(new), old
+        assert any(issubclass(w.category, DeprecationWarning) and new in str(w.message)
+                   for w in caught), old

@@ -1,0 +1,55 @@
+"""What the tests both backends share use: the backend, its devices, fixtures.
+
+tests_shared/ runs twice: on TensorFlow (`python -m pytest`, with tests/)
+and on JAX (scripts/test-jax.sh), so that a divergence between the
+backends fails here. Each backend gets 4 devices before it starts: 4
+logical CPU devices on TensorFlow, 4 forced host devices on JAX. This is a
+module, not a conftest.py, so that it does not stand in for tests/'s or
+tests_jax/'s conftest in the process that collects both; every test module
+imports its fixtures from it.
+"""
+
+import os
+
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+if os.environ.get("KERAS_BACKEND") == "jax":
+    os.environ["XLA_FLAGS"] = (
+        os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=4").strip()
+
+import keras  # noqa: E402
+import pytest  # noqa: E402
+
+BACKEND = keras.backend.backend()
+
+if BACKEND == "tensorflow":
+    import tensorflow as tf
+
+    _cpus = tf.config.list_physical_devices("CPU")
+    if tf.config.get_logical_device_configuration(_cpus[0]) is None:
+        tf.config.set_logical_device_configuration(
+            _cpus[0], [tf.config.LogicalDeviceConfiguration() for _ in range(4)])
+
+
+def tower_devices(n):
+    """The devices of `n` towers on this backend: logical CPUs on
+    TensorFlow, JAX's first `n` devices on JAX."""
+    if BACKEND == "tensorflow":
+        return [f"/cpu:{i}" for i in range(n)]
+    import jax
+
+    return jax.devices()[:n]
+
+
+import kerastower as kt  # noqa: E402
+
+
+@pytest.fixture(autouse=True)
+def seeded():
+    keras.utils.set_random_seed(1234)
+    yield
+
+
+@pytest.fixture
+def two_towers():
+    with kt.distributed("mirrored", devices=tower_devices(2)) as strategy:
+        yield strategy
