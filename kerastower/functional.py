@@ -1,5 +1,4 @@
-"""The TowerModel variants `kt.TowerModel(...)` makes: functional, wrapped;
-and the warning a plain keras.Model gets when fitted on several towers.
+"""The TowerModel variants `kt.TowerModel(...)` makes: functional, wrapped.
 
 Keras makes `SomeModel(inputs, outputs)` functional by rewriting the bases
 of SomeModel and of its parents, which would turn TowerModel, and every
@@ -7,14 +6,9 @@ later subclass, functional for good. TowerModel instead builds a functional
 twin of the class, once.
 """
 
-import inspect
-import warnings
-import weakref
-
 import keras
 
 from kerastower import _compat
-from kerastower.strategies import base as strategies
 from kerastower.model import TowerModel
 
 __all__ = ["FunctionalTowerModel", "WrappedTowerModel", "wrap", "wrapped_by_new", "built_by_new"]
@@ -90,29 +84,3 @@ class WrappedTowerModel(TowerModel):
 
     def call(self, inputs, training=None):
         return self.inner(inputs, training=training)
-
-
-_warned_stock_models = weakref.WeakSet()
-
-
-def _warn_stock_fit(model):
-    """A plain keras.Model fitted inside kt.distributed is trained by stock
-    Keras: say so once, and how to get towers."""
-    if hasattr(model, "tower_strategy") or model in _warned_stock_models:
-        return  # a TowerModel
-    if not strategies.is_explicit() or strategies.current_strategy().num_towers < 2:
-        return
-    strategy = strategies.current_strategy()
-    _warned_stock_models.add(model)
-    warnings.warn(
-        f"kerastower: {model.name} is a plain keras.Model, so stock Keras trains it "
-        f"under {strategy}: each batch of batch_size examples is split over the "
-        f"{strategy.num_towers} replicas, with no towers or per-tower batches. To train "
-        "it with kerastower's towers, use kt.TowerModel(model) (created under the "
-        "same kt.distributed) or build it as a kt.TowerModel.",
-        stacklevel=3,
-    )
-
-
-if keras.backend.backend() == "tensorflow":
-    _compat.install_stock_fit_check(_warn_stock_fit)

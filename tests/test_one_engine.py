@@ -161,6 +161,21 @@ def test_a_plain_keras_model_fitted_inside_kt_distributed_warns_once():
             plain.fit(x, y, batch_size=8, verbose=0)  # once per model
 
 
+def test_stock_keras_fit_is_patched_only_inside_kt_distributed():
+    """The check above wraps Keras's TensorFlow fit while a kt.distributed
+    block is open (nested blocks too); outside, Keras runs as installed."""
+    from keras.src.backend.tensorflow.trainer import TensorFlowTrainer
+
+    original = TensorFlowTrainer.fit
+    with kt.distributed("mirrored", devices=TWO):
+        assert TensorFlowTrainer.fit is not original
+        assert TensorFlowTrainer.fit.__wrapped__ is original
+        with kt.distributed("single"):
+            assert TensorFlowTrainer.fit.__wrapped__ is original
+        assert TensorFlowTrainer.fit.__wrapped__ is original
+    assert TensorFlowTrainer.fit is original
+
+
 def test_the_keras_io_step_returning_every_metric_by_name_does_not_warn():
     class KerasIoFirstStep(kt.TowerModel):
         def train_step(self, data):

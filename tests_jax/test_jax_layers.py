@@ -217,3 +217,18 @@ def test_dropout_in_inference_towers_equal_one_device(towers):
                                one.predict(x, batch_size=B, verbose=0), atol=1e-6)
     np.testing.assert_allclose(many.evaluate(x, y, batch_size=B, verbose=0),
                                one.evaluate(x, y, batch_size=B * towers, verbose=0), atol=1e-6)
+
+
+def test_synchronized_batchnorm_under_keras_distribution_raises_instead_of_a_local_mean():
+    """kerastower lets Keras build BatchNormalization(synchronized=True) on
+    JAX; under Keras's own data parallelism it would compute each device's
+    moments alone, silently: it raises instead."""
+    x, _ = _data(16, seed=2)
+    synced = keras.layers.BatchNormalization(synchronized=True)
+    keras.distribution.set_distribution(keras.distribution.DataParallel(devices=jax.devices()[:2]))
+    try:
+        with pytest.raises(kt.KerasTowerError, match="synchronized over kerastower's towers only"):
+            synced(x, training=True)
+    finally:
+        keras.distribution.set_distribution(None)
+    assert synced(x, training=True).shape == x.shape   # outside it, as before

@@ -171,3 +171,17 @@ def test_an_empty_input_raises_on_every_backend(two_towers, method):
     args = (x, y) if method == "evaluate" else (x,)
     with pytest.raises(kt.InputSourceError, match=f"{method}\\(\\) got no batch"):
         getattr(model, method)(*args, batch_size=8, verbose=0)
+
+
+def test_peak_memory_tracker_and_collectives_say_what_they_can(two_towers):
+    """Neither reaches for TensorFlow on JAX (PeakMemoryTracker imported it;
+    collectives_per_step raised AttributeError)."""
+    x, y = _data(32)
+    model = _model()
+    history = model.fit(x, y, batch_size=8, verbose=0, callbacks=[kt.callbacks.PeakMemoryTracker()])
+    assert "peak_memory_mb" not in history.history   # CPUs report no memory
+    if BACKEND == "tensorflow":
+        assert set(kt.collectives_per_step(model)) == {"step", "logs"}
+    else:
+        with pytest.raises(kt.KerasTowerError, match="collectives_per_step.*HLO"):
+            kt.collectives_per_step(model)

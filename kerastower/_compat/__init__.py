@@ -373,10 +373,49 @@ def _no_output(*_):
     return None
 
 
-def install_stock_fit_check(check):
-    """Calls `check(model)` before stock Keras's `fit` runs a model (not a
-    TowerModel, whose fit is kerastower's)."""
-    trainer = require("keras.src.backend.tensorflow.trainer", "TensorFlowTrainer")
+class ScopedPatch:
+    """A replacement of `owner.name`, in place only while a scope holds it.
+
+    Entering installs it (the first of nested or concurrent scopes does);
+    leaving the last scope puts Keras's original back, so code outside
+    every scope runs Keras unchanged. `owner` is found (and checked, with
+    the versions named if it moved) when first entered.
+    """
+
+    def __init__(self, find_owner, name, make_replacement):
+        self._find_owner = find_owner
+        self._name = name
+        self._make_replacement = make_replacement
+        self._lock = threading.Lock()
+        self._depth = 0
+        self._original = None
+
+    def __enter__(self):
+        with self._lock:
+            if self._depth == 0:
+                owner = self._find_owner()
+                original = getattr(owner, self._name, None)
+                if original is None:
+                    raise _missing(f"{getattr(owner, '__qualname__', owner.__name__)}.{self._name}")
+                self._owner, self._original = owner, original
+                setattr(owner, self._name,
+                        functools.update_wrapper(self._make_replacement(original), original))
+            self._depth += 1
+        return self
+
+    def __exit__(self, *exc_info):
+        with self._lock:
+            self._depth -= 1
+            if self._depth == 0:
+                setattr(self._owner, self._name, self._original)
+                self._original = None
+        return False
+
+
+def stock_fit_checked(check):
+    """A `ScopedPatch`: while entered, `check(model)` runs before stock
+    Keras's `fit` trains a model (not a TowerModel, whose fit is
+    kerastower's). TensorFlow's trainer only."""
 
     def checked_fit(original):
         def fit(self, *args, **kwargs):
@@ -384,4 +423,5 @@ def install_stock_fit_check(check):
             return original(self, *args, **kwargs)
         return fit
 
-    _patch(trainer, "fit", checked_fit)
+    return ScopedPatch(lambda: require("keras.src.backend.tensorflow.trainer", "TensorFlowTrainer"),
+                       "fit", checked_fit)

@@ -11,7 +11,7 @@ kerastower asks which backend it is on.
 
 import keras
 
-__all__ = ["name", "tower_steps", "make_engine"]
+__all__ = ["name", "tower_steps", "make_engine", "exact_float"]
 
 
 def name():
@@ -35,3 +35,9 @@ def make_engine(model):
     else:
         from kerastower.backend.tensorflow.engine import TensorFlowEngine as Engine
     return Engine(model)
+
+
+def exact_float():
+    """The dtype in which counts are exact: float64, or float32 on JAX
+    (whose x64 is off by default)."""
+    return "float32" if name() == "jax" else "float64"

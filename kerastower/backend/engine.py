@@ -20,7 +20,9 @@ Examples:
 import contextlib
 import dataclasses
 
-__all__ = ["StepEngine", "StepRun", "Feed"]
+from kerastower.errors import KerasTowerError
+
+__all__ = ["StepEngine", "StepRun", "Feed", "TowerFunctionRunner"]
 
 
 @dataclasses.dataclass
@@ -70,6 +72,23 @@ class Feed:
 
     def run(self, num_steps, loop):
         """Up to `num_steps` training steps; returns a `StepRun`."""
+        raise NotImplementedError
+
+
+class TowerFunctionRunner:
+    """Compiles and runs one `kt.Trainer.tower_function` on a backend (its
+    `fn`, `reduce`, `training` and names are the TowerFunction's); each
+    engine's `run_tower_function` keeps one per tower function."""
+
+    def __init__(self, tower_function):
+        self.tower_function = tower_function
+        self._compiled = None
+
+    def __getattr__(self, name):
+        return getattr(self.__dict__["tower_function"], name)
+
+    def __call__(self, model, args):
+        """Runs the function once per tower of `model` on `args`."""
         raise NotImplementedError
 
 
@@ -133,6 +152,17 @@ class StepEngine:
         order; None when the input has ended."""
         raise NotImplementedError
 
+    def training_metrics_kept(self):
+        """A context: the training metrics (every tower's) are put back as
+        they were when it ends (an evaluation mid-training resets them)."""
+        raise NotImplementedError
+
+    def inference_sums(self, source, counters, compiled):
+        """Each of `counters`' (`kt.callbacks.Inferencer`s) sums over every
+        example of `source`, data-parallel over the towers; `compiled`, a
+        dict the caller keeps, holds what was compiled for it."""
+        raise NotImplementedError
+
     def run_tower_function(self, tower_function, args):
         """Runs a `kt.Trainer.tower_function` once per tower on `args` (the
         towers' batches first), its results reduced over towers."""
@@ -147,6 +177,22 @@ class StepEngine:
     def sync_state(self):
         """Writes what the towers hold into the model's variables (before
         callbacks, validation or a checkpoint read them)."""
+
+    def memory_peaks(self):
+        """Each tower device's peak memory in bytes, where devices report it
+        (GPUs); an empty list elsewhere."""
+        return []
+
+    def reset_memory_peaks(self):
+        """Starts the devices' peak memory over, where the backend can."""
+
+    def collectives_per_step(self, mode):
+        """What one step of `mode` launched (see `kt.collectives_per_step`)."""
+        raise KerasTowerError(
+            f"kt.collectives_per_step counts the collectives of TensorFlow's step "
+            f"functions; this model runs on {type(self).__name__}, whose collectives "
+            "XLA places inside the one jitted step. Read them from the compiled step's "
+            "HLO instead (docs/jax.md).")
 
     def running(self):
         """The context `fit`, `evaluate` and `predict` run in."""

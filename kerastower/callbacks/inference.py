@@ -24,15 +24,11 @@ resets to evaluate are put back afterwards, so the epoch's training logs
 are those of training alone.
 """
 
-import contextlib
-
 import keras
-import numpy as np
 
-from kerastower._tf import tf
 from kerastower import _compat
 from kerastower.callbacks.base import Callback
-from kerastower.strategies.base import _on_jax
+from kerastower import backend
 
 __all__ = ["InferenceRunner", "Inferencer", "ScalarStats", "ClassificationError"]
 
@@ -119,9 +115,10 @@ class ClassificationError(Inferencer):
 
     def _batch_sums(self, y, y_pred, sample_weight):
         ops = keras.ops
-        # float64 for exact counts; JAX computes in float32 (its x64 is off),
-        # exact up to 2**24 examples a batch, and the totals add up in float64.
-        exact = "float32" if _on_jax() else "float64"
+        # float64 for exact counts where the backend has it; in float32 (JAX,
+        # whose x64 is off) exact up to 2**24 examples a batch, and the totals
+        # add up in float64.
+        exact = backend.exact_float()
         y_pred = ops.convert_to_tensor(y_pred)
         predicted = ops.cast(ops.argmax(y_pred, axis=-1), "int32")
         labels = ops.convert_to_tensor(y)
@@ -141,36 +138,6 @@ class ClassificationError(Inferencer):
 
     def _results(self, sums):
         return {self.summary_name: float(sums["wrong"] / max(sums["total"], 1e-12))}
-
-
-def _any_batch_size(spec):
-    """A tensor's spec with any batch size; other specs as they are."""
-    if isinstance(spec, tf.TensorSpec) and spec.shape.rank:
-        return tf.TensorSpec([None] + spec.shape.as_list()[1:], spec.dtype, spec.name)
-    return spec
-
-
-@contextlib.contextmanager
-def _training_metrics_kept(model):
-    """Puts every metric variable back as it was, each tower's copy, after
-    the block: evaluate resets the metrics the training logs are read from."""
-    if _on_jax():
-        with model.training_metrics_kept():
-            yield
-        return
-    strategy = model.tower_strategy
-    copies = [
-        copy
-        for metric in model.metrics
-        for variable in metric.variables
-        for copy in strategy.tower_values(getattr(variable, "value", variable))
-    ]
-    saved = [tf.identity(copy) for copy in copies]
-    try:
-        yield
-    finally:
-        for copy, value in zip(copies, saved):
-            copy.assign(value)
 
 
 class InferenceRunner(Callback):
@@ -207,7 +174,15 @@ class InferenceRunner(Callback):
 
     def __init__(self, source, inferencers, batch_size=None):
         super().__init__()
-        self.source = _JaxSource(source, batch_size) if _on_jax() else _tf_source(source, batch_size)
+        if isinstance(source, (tuple, list)):
+            # Arrays: (x, y[, sample_weight]), `batch_size` examples a tower.
+            x, y, sample_weight = _compat.unpack_x_y_sample_weight(tuple(source))
+            self._data = {"x": x, "y": y, "sample_weight": sample_weight,
+                          "batch_size": batch_size or 32}
+        else:
+            self._data = {"x": source, "batch_size": batch_size}
+        self._input = None  # the engine's source of the data, made when first needed
+        self._compiled = {}  # what the engine compiled to sum over it
         self.inferencers = list(inferencers)
         for inferencer in self.inferencers:
             if not isinstance(inferencer, Inferencer):
@@ -215,15 +190,14 @@ class InferenceRunner(Callback):
                     f"InferenceRunner takes kt.callbacks.Inferencer objects; got {inferencer!r}."
                 )
         self.results = {}
-        self._sum_function = None
 
     def _trigger(self):
         self.results = {}
         stats = [i for i in self.inferencers if isinstance(i, ScalarStats)]
         counters = [i for i in self.inferencers if not isinstance(i, ScalarStats)]
         if stats:
-            with _training_metrics_kept(self.model):
-                values = self.model.evaluate(**self._evaluate_arguments(), verbose=0, return_dict=True)
+            with self.model.engine.training_metrics_kept():
+                values = self.model.evaluate(**self._data, verbose=0, return_dict=True)
             for inferencer in stats:
                 for name in inferencer.names:
                     if name not in values:
@@ -239,92 +213,13 @@ class InferenceRunner(Callback):
         if self.logs is not None:
             self.logs.update(self.results)
 
-    def _evaluate_arguments(self):
-        source = self.source
-        if isinstance(source, _JaxSource):
-            return {"x": source.x, "y": source.y, "batch_size": source.batch_size,
-                    "sample_weight": source.sample_weight}
-        return {"x": source}
-
     def _sums_over_source(self, counters):
-        """Per-inferencer sums over every example of the source, all towers."""
-        if isinstance(self.source, _JaxSource):
-            return self.source.sums(self.model, counters)
-        model = self.model
-        strategy = model.tower_strategy
-        model.engine.build_for(self.source, with_targets=False)
-        iterator = iter(self.source.distribute(strategy))
-        if self._sum_function is None:
-
-            def tower_sums(data):
-                x, y, sample_weight = _compat.unpack_x_y_sample_weight(data)
-                y_pred = model._call_tower(x, training=False)
-                return [c._batch_sums(y, y_pred, sample_weight) for c in counters]
-
-            def step(data):
-                per_tower = model.run_on_towers(tower_sums, data)
-                return tf.nest.map_structure(strategy.sum_over_towers, per_tower)
-
-            # One trace for batches of any size: a process tracing again for
-            # its short last batch would run another graph than the others,
-            # whose collectives then never meet.
-            signature = tf.nest.map_structure(_any_batch_size, iterator.element_spec)
-            self._sum_function = tf.function(step, input_signature=[signature])
-        totals = None
-        while True:
-            has_data, next_batches = strategy.next_step(iterator)
-            if not bool(has_data):
-                break
-            sums = tf.nest.map_structure(np.float64, self._sum_function(next_batches()))
-            totals = sums if totals is None else tf.nest.map_structure(np.add, totals, sums)
-        if totals is None:
-            raise ValueError("InferenceRunner: the validation source gave no batch.")
-        return totals
-
-
-def _tf_source(source, batch_size):
-    from kerastower.inputs.sources import InputSource
-    from kerastower.inputs.sources import as_input_source
-
-    if isinstance(source, (tuple, list)) and not isinstance(source, InputSource):
-        x, y, sample_weight = _compat.unpack_x_y_sample_weight(tuple(source))
-        return as_input_source(x, y, sample_weight, batch_size)
-    return as_input_source(source, batch_size=batch_size)
-
-
-class _JaxSource:
-    """What an InferenceRunner evaluates on JAX: `(x, y[, sample_weight])`
-    arrays (`batch_size` per tower), or a PyDataset or re-iterable of batches."""
-
-    def __init__(self, source, batch_size):
-        if isinstance(source, (tuple, list)):
-            self.x, self.y, self.sample_weight = _compat.unpack_x_y_sample_weight(tuple(source))
-            self.batch_size = batch_size or 32
-        else:
-            self.x, self.y, self.sample_weight, self.batch_size = source, None, None, None
-
-    def sums(self, model, counters):
-        """Each counter's sums over the source: every step's towers predict
-        their own batches (data-parallel, each example once), and the sums
-        are taken over the step's examples, in float64 across steps."""
-        batches = model.engine.input_source(self.x, self.y, self.sample_weight, self.batch_size,
-                                            method="evaluate")
-        model.engine.build_for(batches)
-        totals = None
-        for step in batches.one_pass(model.num_towers):
-            y_pred = model.engine.run_towers("predict", step)   # the towers' outputs, in tower order
-            _, y, sample_weight = (
-                None if parts[0] is None else keras.tree.map_structure(lambda *a: np.concatenate(a), *parts)
-                for parts in zip(*(_padded(batch) for batch in step)))
-            sums = [{k: np.float64(v) for k, v in c._batch_sums(y, y_pred, sample_weight).items()}
-                    for c in counters]
-            totals = sums if totals is None else [
-                {k: total[k] + part[k] for k in total} for total, part in zip(totals, sums)]
-        if totals is None:
-            raise ValueError("InferenceRunner: the validation source gave no batch.")
-        return totals
-
-
-def _padded(batch):
-    """`(x, y, sample_weight)`, with None for what the batch does not hold."""
-    return tuple(batch) + (None,) * (3 - len(batch))
+        """Per-inferencer sums over every example of the source, all towers
+        (the engine's `inference_sums`)."""
+        engine = self.model.engine
+        if self._input is None:
+            data = self._data
+            self._input = engine.input_source(
+                data["x"], data.get("y"), data.get("sample_weight"), data["batch_size"],
+                method="evaluate")
+        return engine.inference_sums(self._input, counters, self._compiled)

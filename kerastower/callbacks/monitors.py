@@ -356,7 +356,8 @@ class PeakMemoryTracker(Callback):
     """Adds `peak_memory_mb` (the largest over the towers' devices) to the
     logs when triggered (by default, at every epoch end), the peak since the
     epoch began or the last trigger, on devices that report memory (GPUs);
-    elsewhere it adds nothing.
+    elsewhere it adds nothing. JAX cannot reset a device's peak: there it
+    is the peak since the process started.
 
     Examples:
         >>> import keras, numpy as np, kerastower as kt
@@ -369,18 +370,11 @@ class PeakMemoryTracker(Callback):
         False
     """
 
-    def _devices(self):
-        return [d.name for d in tf.config.list_logical_devices("GPU")]
-
-    def _reset(self):
-        for device in self._devices():
-            tf.config.experimental.reset_memory_stats(device)
-
     def _before_epoch(self):
-        self._reset()
+        self.model.engine.reset_memory_peaks()
 
     def _trigger(self):
-        peaks = [tf.config.experimental.get_memory_info(d)["peak"] for d in self._devices()]
+        peaks = self.model.engine.memory_peaks()
         if peaks and self.logs is not None:
             self.logs["peak_memory_mb"] = max(peaks) / 2**20
-        self._reset()
+        self.model.engine.reset_memory_peaks()

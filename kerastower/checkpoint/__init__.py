@@ -5,6 +5,17 @@
 `keys.py` each variable's key; `variables.py` the variables per backend;
 `resume_state.py` the loop position a resume goes on from;
 `training_state.py` which variables a run carries.
+
+Examples:
+    >>> import os, tempfile, keras, numpy as np, kerastower as kt
+    >>> folder = tempfile.mkdtemp()
+    >>> inputs = keras.Input((3,))
+    >>> model = kt.TowerModel(inputs, keras.layers.Dense(1)(inputs))
+    >>> model.compile(optimizer="sgd", loss="mse")
+    >>> _ = model.fit(np.ones((8, 3)), np.ones((8, 1)), batch_size=4, verbose=0,
+    ...               callbacks=[kt.callbacks.ModelSaver(folder)])
+    >>> os.path.basename(kt.checkpoint.latest_checkpoint(folder))
+    'ckpt-00000002'
 """
 
 from kerastower.checkpoint.store import CheckpointMismatchError

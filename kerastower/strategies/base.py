@@ -21,6 +21,8 @@ jax_mesh.py makes them.
 
 import functools
 import threading
+import warnings
+import weakref
 
 import keras
 
@@ -360,9 +362,13 @@ class distributed:
         scope.__enter__()
         self._scopes.append(scope)
         _active().append(strategy)
+        if not _on_jax():
+            _STOCK_FIT_CHECK.__enter__()
         return strategy
 
     def __exit__(self, *exc_info):
+        if not _on_jax():
+            _STOCK_FIT_CHECK.__exit__(*exc_info)
         _active().pop()
         return self._scopes.pop().__exit__(*exc_info)
 
@@ -376,3 +382,30 @@ class distributed:
 
     def __repr__(self):
         return f"distributed({self.name!r}, devices={self.devices})"
+
+
+_warned_stock_models = weakref.WeakSet()
+
+
+def _warn_stock_fit(model):
+    """A plain keras.Model fitted inside kt.distributed is trained by stock
+    Keras: say so once, and how to get towers."""
+    if hasattr(model, "tower_strategy") or model in _warned_stock_models:
+        return  # a TowerModel
+    if not is_explicit() or current_strategy().num_towers < 2:
+        return
+    strategy = current_strategy()
+    _warned_stock_models.add(model)
+    warnings.warn(
+        f"kerastower: {model.name} is a plain keras.Model, so stock Keras trains it "
+        f"under {strategy}: each batch of batch_size examples is split over the "
+        f"{strategy.num_towers} replicas, with no towers or per-tower batches. To train "
+        "it with kerastower's towers, use kt.TowerModel(model) (created under the "
+        "same kt.distributed) or build it as a kt.TowerModel.",
+        stacklevel=3,
+    )
+
+
+# Stock Keras's fit checks its model only inside a kt.distributed block:
+# outside every block, Keras runs unpatched.
+_STOCK_FIT_CHECK = _compat.stock_fit_checked(_warn_stock_fit)

@@ -124,6 +124,38 @@ class JaxEngine(StepEngine):
             return None
         return self.run_towers("predict", tower_batches)
 
+    @contextlib.contextmanager
+    def training_metrics_kept(self):
+        model = self.model
+        variables = [np.asarray(v.value) for v in model.metrics_variables]
+        held = [(steps, steps.metric_values()) for steps in self.all_tower_steps()]
+        try:
+            yield
+        finally:
+            for variable, value in zip(model.metrics_variables, variables):
+                variable.assign(value)
+            for steps, values in held:
+                steps.restore_metric_values(values)
+
+    def inference_sums(self, source, counters, compiled):
+        """Each counter's sums over the source: every step's towers predict
+        their own batches (data-parallel, each example once), and the sums
+        are taken over the step's examples, in float64 across steps."""
+        self.build_for(source)
+        totals = None
+        for step in source.one_pass(self.model.num_towers):
+            y_pred = self.run_towers("predict", step)   # the towers' outputs, in tower order
+            _, y, sample_weight = (
+                None if parts[0] is None else keras.tree.map_structure(lambda *a: np.concatenate(a), *parts)
+                for parts in zip(*(_padded(batch) for batch in step)))
+            sums = [{k: np.float64(v) for k, v in c._batch_sums(y, y_pred, sample_weight).items()}
+                    for c in counters]
+            totals = sums if totals is None else [
+                {k: total[k] + part[k] for k in total} for total, part in zip(totals, sums)]
+        if totals is None:
+            raise ValueError("InferenceRunner: the validation source gave no batch.")
+        return totals
+
     # state
 
     def run_tower_function(self, tower_function, args):
@@ -137,12 +169,22 @@ class JaxEngine(StepEngine):
     def sync_state(self):
         self.model.jax_state_sync()
 
+    def memory_peaks(self):
+        devices = self.model.tower_strategy.step_devices(self.model.num_towers)
+        stats = [device.memory_stats() for device in devices]
+        return [s["peak_bytes_in_use"] for s in stats if s and "peak_bytes_in_use" in s]
+
     @contextlib.contextmanager
     def running(self):
         try:
             yield
         finally:
             self.sync_state()  # also when training stopped on an error
+
+
+def _padded(batch):
+    """`(x, y, sample_weight)`, with None for what the batch does not hold."""
+    return tuple(batch) + (None,) * (3 - len(batch))
 
 
 def _shapes(step):

@@ -8,10 +8,6 @@ between steps; what is here writes them into the model's variables when
 something reads them.
 """
 
-import contextlib
-
-import numpy as np
-
 __all__ = ["TowerModelBackend"]
 
 
@@ -32,20 +28,6 @@ class TowerModelBackend:
         engine = self.__dict__.get("engine")
         for steps in engine.all_tower_steps() if engine is not None else ():
             steps.reset_metrics()
-
-    @contextlib.contextmanager
-    def training_metrics_kept(self):
-        """Puts the training metrics back as they were after the block
-        (an evaluation in the middle of training resets them)."""
-        variables = [np.asarray(v.value) for v in self.metrics_variables]
-        held = [(steps, steps.metric_values()) for steps in self.engine.all_tower_steps()]
-        try:
-            yield
-        finally:
-            for variable, value in zip(self.metrics_variables, variables):
-                variable.assign(value)
-            for steps, values in held:
-                steps.restore_metric_values(values)
 
     def make_train_function(self, force=False):
         return self.engine.tower_steps()

@@ -17,8 +17,10 @@ import threading
 
 import jax
 import jax.numpy as jnp
+import keras
 
 from kerastower._compat import on_jax as jax_compat
+from kerastower.errors import KerasTowerError
 
 __all__ = ["synchronized_over", "moments", "install"]
 
@@ -47,6 +49,15 @@ def moments(x, axes, keepdims, local_moments):
     """
     axis_name = getattr(_local, "axis", None)
     if axis_name is None:
+        if keras.distribution.distribution() is not None:
+            # Keras's own data parallelism would get each device's moments
+            # alone, where the layer asks for all devices'.
+            raise KerasTowerError(
+                "BatchNormalization(synchronized=True) on JAX is synchronized over "
+                "kerastower's towers only (a kt.TowerModel under kt.distributed); under "
+                f"keras.distribution ({type(keras.distribution.distribution()).__name__}) its "
+                "moments would be each device's alone. Train it as a kt.TowerModel, or use "
+                "synchronized=False.")
         return local_moments(x, axes, keepdims)
     x = jnp.asarray(x)
     dtype = x.dtype

@@ -44,6 +44,7 @@ from kerastower.backend.jax.placement import BY_TOWER
 from kerastower.backend.jax.placement import REPLICATED
 from kerastower.backend.jax.placement import place_tower_batches
 from kerastower.backend.jax.placement import tower_mesh
+from kerastower.backend import engine
 from kerastower.errors import KerasTowerError
 from kerastower.tower import TowerContext
 from kerastower.checkpoint.training_state import training_optimizers
@@ -97,17 +98,9 @@ class _Health:
         self.own_finite = jnp.logical_and(self.own_finite, own_finite)
 
 
-class TowerFunctionRunner:
-    """Compiles and runs one tower function on JAX (see the module's
-    docstring; its `fn`, `reduce`, `training` and names are the
-    TowerFunction's)."""
-
-    def __init__(self, tower_function):
-        self.tower_function = tower_function
-        self._compiled = None
-
-    def __getattr__(self, name):
-        return getattr(self.__dict__["tower_function"], name)
+class TowerFunctionRunner(engine.TowerFunctionRunner):
+    """Compiles and runs one tower function on JAX: one jitted call over
+    the towers (see the module's docstring)."""
 
     def __call__(self, model, args):
         strategy = model.tower_strategy

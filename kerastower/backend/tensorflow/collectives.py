@@ -106,9 +106,4 @@ def collectives_per_step(model, mode="train"):
         >>> kt.collectives_per_step(model)     # one device: nothing to synchronise
         {'step': [], 'logs': []}
     """
-    recorded = model.engine.cache.collectives
-    launches = recorded.get(mode, {"step": [], "logs": []})
-    result = {phase: list(items) for phase, items in launches.items()}
-    if mode != "predict" and "read_logs" in recorded:
-        result["logs"] += recorded["read_logs"]["step"]
-    return result
+    return model.engine.collectives_per_step(mode)

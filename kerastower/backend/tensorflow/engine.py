@@ -6,13 +6,18 @@ per-tower iterators by `InputSource.distribute`; a step function
 step on it under its TowerContext.
 """
 
+import contextlib
+
 import numpy as np
 import tensorflow as tf
+
+from kerastower import _compat
 
 from kerastower.backend.engine import Feed
 from kerastower.backend.engine import StepEngine
 from kerastower.backend.engine import StepRun
 from kerastower.backend.tensorflow import batch_checks
+from kerastower.backend.tensorflow.gradients import GradientPresence
 from kerastower.backend.tensorflow.tower_function import TowerFunctionRunner
 from kerastower.backend.tensorflow import step as tf_step
 from kerastower.backend.tensorflow import step_errors
@@ -24,13 +29,24 @@ __all__ = ["TensorFlowEngine"]
 
 
 class StepCache:
-    """What the step functions remember between traces."""
+    """What the step functions of one model remember between traces: one
+    record per model, where module globals would outlive it.
+
+    Attributes:
+        local_weights: the replica-local weights that follow the main tower.
+        last_gradients: the last eager step's gradients (run_eagerly: a tower
+            without examples gives zeros shaped like them).
+        collectives: what each step function launched (`kt.collectives_per_step`).
+        read_logs: the function reading the metrics across towers.
+        gradient_presence: which variables got a gradient on each tower.
+    """
 
     def __init__(self):
         self.local_weights = None
         self.last_gradients = None
         self.collectives = {}
         self.read_logs = None
+        self.gradient_presence = GradientPresence()
 
 
 class TensorFlowEngine(StepEngine):
@@ -91,14 +107,88 @@ class TensorFlowEngine(StepEngine):
             tower_function.runner = TowerFunctionRunner(tower_function)
         return tower_function.runner(self.model, args)
 
+    @contextlib.contextmanager
+    def training_metrics_kept(self):
+        strategy = self.model.tower_strategy
+        copies = [
+            copy
+            for metric in self.model.metrics
+            for variable in metric.variables
+            for copy in strategy.tower_values(getattr(variable, "value", variable))
+        ]
+        saved = [tf.identity(copy) for copy in copies]
+        try:
+            yield
+        finally:
+            for copy, value in zip(copies, saved):
+                copy.assign(value)
+
+    def inference_sums(self, source, counters, compiled):
+        model = self.model
+        strategy = model.tower_strategy
+        self.build_for(source, with_targets=False)
+        iterator = iter(source.distribute(strategy))
+        if compiled.get("sums") is None:
+
+            def tower_sums(data):
+                x, y, sample_weight = _compat.unpack_x_y_sample_weight(data)
+                y_pred = model._call_tower(x, training=False)
+                return [c._batch_sums(y, y_pred, sample_weight) for c in counters]
+
+            def step(data):
+                per_tower = model.run_on_towers(tower_sums, data)
+                return tf.nest.map_structure(strategy.sum_over_towers, per_tower)
+
+            # One trace for batches of any size: a process tracing again for
+            # its short last batch would run another graph than the others,
+            # whose collectives then never meet.
+            signature = tf.nest.map_structure(_any_batch_size, iterator.element_spec)
+            compiled["sums"] = tf.function(step, input_signature=[signature])
+        totals = None
+        while True:
+            has_data, next_batches = strategy.next_step(iterator)
+            if not bool(has_data):
+                break
+            sums = tf.nest.map_structure(np.float64, compiled["sums"](next_batches()))
+            totals = sums if totals is None else tf.nest.map_structure(np.add, totals, sums)
+        if totals is None:
+            raise ValueError("InferenceRunner: the validation source gave no batch.")
+        return totals
+
     def logs_of_every_tower(self, logs):
         if logs and not self.model.tower_strategy.single_process:
             # The steps gave this process's metrics; the result is all towers'.
             return dict(tf_step.logs_across_towers(self.model))
         return dict(logs)
 
+    def memory_peaks(self):
+        return [tf.config.experimental.get_memory_info(d)["peak"] for d in _gpus()]
+
+    def reset_memory_peaks(self):
+        for device in _gpus():
+            tf.config.experimental.reset_memory_stats(device)
+
+    def collectives_per_step(self, mode):
+        recorded = self.cache.collectives
+        launches = recorded.get(mode, {"step": [], "logs": []})
+        result = {phase: list(items) for phase, items in launches.items()}
+        if mode != "predict" and "read_logs" in recorded:
+            result["logs"] += recorded["read_logs"]["step"]
+        return result
+
     def running(self):
         return batch_checks.original_errors()
+
+
+def _any_batch_size(spec):
+    """A tensor's spec with any batch size; other specs as they are."""
+    if isinstance(spec, tf.TensorSpec) and spec.shape.rank:
+        return tf.TensorSpec([None] + spec.shape.as_list()[1:], spec.dtype, spec.name)
+    return spec
+
+
+def _gpus():
+    return [d.name for d in tf.config.list_logical_devices("GPU")]
 
 
 class _Feed(Feed):

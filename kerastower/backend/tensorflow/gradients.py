@@ -22,14 +22,27 @@ from kerastower.backend.tensorflow import nonfinite
 from kerastower.errors import TowerRuleError
 from kerastower.tower import get_current_tower_context
 
-__all__ = ["apply_in_tower", "gradients_unless_empty", "reduce_tower_gradients"]
+__all__ = ["apply_in_tower", "gradients_unless_empty", "reduce_tower_gradients", "GradientPresence"]
 
 
-# Which variables got a gradient on each tower of the step being traced:
-# a variable without one on every tower is left out of the update, as one
-# device leaves it out. Towers are traced in threads, so it is shared.
-_presence_lock = threading.Lock()
-_presence = {}
+class GradientPresence:
+    """Which variables got a gradient on each tower of the step being
+    traced: a variable without one on every tower is left out of the
+    update, as one device leaves it out. Towers are traced in threads, so
+    it is shared, behind a lock; one per model (its engine's StepCache),
+    reached from a tower through its TowerContext."""
+
+    def __init__(self):
+        self._lock = threading.Lock()
+        self._by_key = {}
+
+    def record(self, key, tower, flags):
+        with self._lock:
+            self._by_key.setdefault(key, {})[tower] = flags
+
+    def seen(self, key):
+        with self._lock:
+            return list(self._by_key[key].values())
 
 
 def _weighted(gradient, variable, weight):
@@ -47,14 +60,12 @@ def reduce_tower_gradients(strategy, ctx, gradients, weighted, key, extra=()):
     """The sum over towers of each variable's `weighted` gradient; None for a
     variable no tower has a gradient for (`gradients` is None). `extra`
     tensors ride along in the same all-reduce; returns (sums, extra sums)."""
-    with _presence_lock:
-        _presence.setdefault(key, {})[ctx.index] = [g is not None for g in gradients]
+    ctx.gradient_presence.record(key, ctx.index, [g is not None for g in gradients])
     reduced = strategy.all_reduce_sum(list(weighted) + list(extra))
     reduced, extra = reduced[:len(weighted)], reduced[len(weighted):]
     # Every tower of this process has recorded its gradients by now: the
     # all-reduce above waited for all of them.
-    with _presence_lock:
-        seen = list(_presence[key].values())
+    seen = ctx.gradient_presence.seen(key)
     return [r if any(p[i] for p in seen) else None for i, r in enumerate(reduced)], extra
 
 

@@ -79,6 +79,7 @@ def tower_scope(model, is_training, step_name, name=None, examples=None, equal_b
     ctx.strategy = strategy
     ctx.num_examples = examples
     ctx.check_finite = getattr(model, "tower_check_finite", True)
+    ctx.gradient_presence = model.engine.cache.gradient_presence
     if examples is None or equal_batches:
         ctx.example_weight = tf.constant(1.0 / ctx.total)
     elif ctx.total == 1:

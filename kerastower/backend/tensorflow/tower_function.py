@@ -10,21 +10,15 @@ import numpy as np
 from kerastower._tf import tf
 from kerastower.backend.tensorflow import nonfinite
 from kerastower.backend.tensorflow import step_errors
+from kerastower.backend import engine
 from kerastower.errors import KerasTowerError
 
 __all__ = ["TowerFunctionRunner"]
 
 
-class TowerFunctionRunner:
-    """Compiles and runs one tower function (its `fn`, `reduce`, `training`
-    and names are the TowerFunction's)."""
-
-    def __init__(self, tower_function):
-        self.tower_function = tower_function
-        self._compiled = None
-
-    def __getattr__(self, name):
-        return getattr(self.__dict__["tower_function"], name)
+class TowerFunctionRunner(engine.TowerFunctionRunner):
+    """Compiles and runs one tower function on TensorFlow: a `tf.function`
+    over `strategy.run`."""
 
     def __call__(self, model, args):
         if self._compiled is None:
