@@ -33,11 +33,11 @@ from kerastower.errors import StepFailedError
 from kerastower.errors import StrategyError
 from kerastower.errors import TowerRuleError
 from kerastower.loop.main_loop import LoopState
-from kerastower.strategies.base import _on_jax
+from kerastower.strategies.switch import _on_jax
 from kerastower.strategies.base import TowerStrategy
-from kerastower.strategies.base import distributed
-from kerastower.strategies.base import register_strategy
-from kerastower.strategies.base import strategy_names
+from kerastower.strategies.switch import distributed
+from kerastower.strategies.switch import register_strategy
+from kerastower.strategies.switch import strategy_names
 from kerastower.tower import TowerContext
 from kerastower.tower import get_current_tower_context
 

@@ -36,7 +36,7 @@ from kerastower.loop.main_loop import LoopState
 from kerastower.loop.main_loop import MainLoop
 from kerastower.loop.main_loop import check_strategy
 from kerastower.loop.main_loop import training_callbacks
-from kerastower.strategies import base as strategies
+from kerastower.strategies import switch as strategies
 
 __all__ = ["TowerModel"]
 

@@ -197,7 +197,7 @@ def training_callbacks(model, callbacks, verbose, logdir, epochs, steps):
 def check_strategy(model, method):
     """Refuses to run a model under another strategy than the one it was
     created under (its variables live on that strategy's devices)."""
-    from kerastower.strategies import base as strategies
+    from kerastower.strategies import switch as strategies
 
     active = strategies.current_strategy()
     if strategies.is_explicit() and _placement(active) is not _placement(model.tower_strategy):

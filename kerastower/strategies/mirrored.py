@@ -8,7 +8,7 @@ from kerastower._tf import tf
 from kerastower.strategies.devices import local_devices
 from kerastower.errors import StrategyError
 from kerastower.strategies.base import TowerStrategy
-from kerastower.strategies.base import register_strategy
+from kerastower.strategies.switch import register_strategy
 
 __all__ = []
 

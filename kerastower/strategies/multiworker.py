@@ -29,7 +29,7 @@ import tensorflow as tf
 from kerastower.backend.tensorflow import collectives
 from kerastower.errors import StrategyError
 from kerastower.strategies.base import TowerStrategy
-from kerastower.strategies.base import register_strategy
+from kerastower.strategies.switch import register_strategy
 from kerastower.checkpoint.training_state import training_state
 
 __all__ = ["MultiWorkerStrategy", "worker_shard"]

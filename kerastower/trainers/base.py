@@ -64,7 +64,7 @@ from kerastower.loop.main_loop import StopTraining
 from kerastower.loop.main_loop import training_callbacks
 from kerastower.callbacks.base import RunHooks
 from kerastower.checkpoint.training_state import training_optimizers
-from kerastower.strategies.base import _on_jax
+from kerastower.strategies.switch import _on_jax
 from kerastower.trainers.feeds import feed_for
 from kerastower.trainers.tower_function import TowerFunction
 

@@ -11,7 +11,7 @@ input must not end: an epoch is only the period at which callbacks run.
 import keras
 
 from kerastower.errors import InputSourceError
-from kerastower.strategies.base import _on_jax
+from kerastower.strategies.switch import _on_jax
 
 __all__ = ["feed_for"]
 

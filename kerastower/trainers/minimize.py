@@ -25,7 +25,7 @@ class Regression(kt.Trainer):
 ```
 """
 
-from kerastower.strategies.base import _on_jax
+from kerastower.strategies.switch import _on_jax
 
 __all__ = ["minimize"]
 
