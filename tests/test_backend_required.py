@@ -116,19 +116,15 @@ def test_keras_json_picks_the_backend_when_keras_backend_is_unset(keras_home, mo
     assert str(path) in str(info.value)
 
 
-def test_keras_backend_wins_over_keras_json(keras_home, monkeypatch):
+@pytest.mark.parametrize("keras_backend,picked", [
+    ("tensorflow", "tensorflow"),   # KERAS_BACKEND wins over keras.json
+    ("", "jax"),                    # an empty one falls back to keras.json
+])
+def test_keras_backend_against_keras_json(keras_home, monkeypatch, keras_backend, picked):
     write_keras_json(keras_home, {"backend": "jax"})
-    monkeypatch.setenv("KERAS_BACKEND", "tensorflow")
-    missing(monkeypatch, "tensorflow")
-    with pytest.raises(BackendNotInstalledError, match=r"kerastower\[tensorflow\]"):
-        check_backend_installed()
-
-
-def test_an_empty_keras_backend_falls_back_to_keras_json(keras_home, monkeypatch):
-    write_keras_json(keras_home, {"backend": "jax"})
-    monkeypatch.setenv("KERAS_BACKEND", "")
-    missing(monkeypatch, "jax")
-    with pytest.raises(BackendNotInstalledError, match=r"kerastower\[jax\]"):
+    monkeypatch.setenv("KERAS_BACKEND", keras_backend)
+    missing(monkeypatch, picked)
+    with pytest.raises(BackendNotInstalledError, match=rf"kerastower\[{picked}\]"):
         check_backend_installed()
 
 

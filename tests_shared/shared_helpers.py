@@ -43,13 +43,9 @@ def tower_devices(n):
 import kerastower as kt  # noqa: E402
 
 
-@pytest.fixture(autouse=True)
-def seeded():
-    keras.utils.set_random_seed(1234)
-    yield
-
-
 @pytest.fixture
 def two_towers():
+    """2 towers on this backend, Keras's random seed fixed."""
+    keras.utils.set_random_seed(1234)
     with kt.distributed("mirrored", devices=tower_devices(2)) as strategy:
         yield strategy

@@ -9,7 +9,6 @@ import pytest
 import kerastower as kt
 
 from shared_helpers import BACKEND
-from shared_helpers import seeded  # noqa: F401  (a fixture)
 from shared_helpers import tower_devices
 from shared_helpers import two_towers  # noqa: F401  (a fixture)
 

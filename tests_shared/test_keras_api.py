@@ -13,7 +13,6 @@ import kerastower as kt
 from kerastower.backend.engine import StepEngine
 
 from shared_helpers import BACKEND
-from shared_helpers import seeded  # noqa: F401  (a fixture)
 from shared_helpers import two_towers  # noqa: F401  (a fixture)
 
 

@@ -7,7 +7,6 @@ import keras
 
 import kerastower as kt
 
-from shared_helpers import seeded  # noqa: F401  (a fixture)
 from shared_helpers import tower_devices
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tests"))

@@ -1,10 +1,37 @@
-"""Checkpoints: what a checkpoint holds, written atomically, restored by name.
+"""Checkpoints: what one holds, written so that a kill never leaves it half-written.
 
-`store.py` writes, reads, lists and verifies checkpoint folders
-(`kt.checkpoint.*`); `files.py` the atomic, checksummed files and manifest;
-`keys.py` each variable's key; `variables.py` the variables per backend;
-`resume_state.py` the loop position a resume goes on from;
+The modules: `store.py` writes, reads, lists and verifies checkpoint
+folders (`kt.checkpoint.*`); `files.py` the atomic, checksummed files and
+manifest; `keys.py` each variable's key; `variables.py` the variables per
+backend; `resume_state.py` the loop position a resume goes on from;
 `training_state.py` which variables a run carries.
+
+A checkpoint is a folder `ckpt-<global_step>` inside the checkpoint directory:
+
+    ckpt-00000120/
+        variables.index, variables.data-00000-of-00001 (TensorFlow), or
+        variables.npz (JAX: kerastower/checkpoint/variables.py)
+                        every variable a run carries, each under its key
+                        (kerastower/checkpoint/keys.py): the model's
+                        (seed-generator states included) and every
+                        optimizer's (slots, step counters)
+        state.json      loop state and input position (kerastower/checkpoint/resume_state.py)
+        manifest.json   size and sha256 of every file above; per variable its
+                        key, Keras path, shape, dtype and whether all its
+                        values were finite; retention data (ModelSaver); and
+                        a sha256 of the manifest itself
+
+It is written under a temporary name, fsynced, and renamed into place
+(kerastower/checkpoint/files.py). A checkpoint counts only when its manifest
+is there and verifies: every file has the size and sha256 it lists, and
+every variable was finite. A checkpoint whose variables hold NaN or Inf is
+never written.
+
+Restoring matches variables by key, so reordering layers in the code loads
+each weight where it belongs. Variables the model has and the checkpoint
+lacks, the other way round, or of another shape or dtype raise
+`CheckpointMismatchError` listing them, unless `allow_partial=True`, which
+restores the rest and warns about them.
 
 Examples:
     >>> import os, tempfile, keras, numpy as np, kerastower as kt

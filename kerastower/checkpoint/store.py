@@ -1,42 +1,7 @@
-"""Checkpoints that a kill can never leave half-written, restored by name.
+"""Writing, reading, listing and verifying checkpoint folders: `kt.checkpoint.*`.
 
-A checkpoint is a folder `ckpt-<global_step>` inside the checkpoint directory:
-
-    ckpt-00000120/
-        variables.index, variables.data-00000-of-00001 (TensorFlow), or
-        variables.npz (JAX: kerastower/checkpoint/variables.py)
-                        every variable a run carries, each under its key
-                        (kerastower/checkpoint/keys.py): the model's
-                        (seed-generator states included) and every
-                        optimizer's (slots, step counters)
-        state.json      loop state and input position (kerastower/checkpoint/resume_state.py)
-        manifest.json   size and sha256 of every file above; per variable its
-                        key, Keras path, shape, dtype and whether all its
-                        values were finite; retention data (ModelSaver); and
-                        a sha256 of the manifest itself
-
-It is written under a temporary name, fsynced, and renamed into place
-(kerastower/checkpoint/files.py). A checkpoint counts only when its manifest
-is there and verifies: every file has the size and sha256 it lists, and
-every variable was finite. A checkpoint whose variables hold NaN or Inf is
-never written.
-
-Restoring matches variables by key, so reordering layers in the code loads
-each weight where it belongs. Variables the model has and the checkpoint
-lacks, the other way round, or of another shape or dtype raise
-`CheckpointMismatchError` listing them, unless `allow_partial=True`, which
-restores the rest and warns about them.
-
-Examples:
-    >>> import os, tempfile, keras, numpy as np, kerastower as kt
-    >>> folder = tempfile.mkdtemp()
-    >>> inputs = keras.Input((3,))
-    >>> model = kt.TowerModel(inputs, keras.layers.Dense(1)(inputs))
-    >>> model.compile(optimizer="sgd", loss="mse")
-    >>> _ = model.fit(np.ones((8, 3)), np.ones((8, 1)), batch_size=4, verbose=0,
-    ...               callbacks=[kt.callbacks.ModelSaver(folder)])
-    >>> os.path.basename(kt.checkpoint.latest_checkpoint(folder))
-    'ckpt-00000002'
+What a checkpoint holds, and how it is written and checked, is told in
+the package's docstring (kerastower/checkpoint/__init__.py).
 """
 
 import json
