@@ -4,6 +4,7 @@ import os
 import re
 
 import keras
+import numpy as np
 import pytest
 import tensorflow as tf
 
@@ -57,3 +58,34 @@ def test_the_patches_leave_keras_unchanged_outside_towers():
 
     values = strategy.experimental_local_results(strategy.run(in_replica))
     assert [float(v) for v in values] == [0.5, 0.5]
+
+
+def test_keras_is_patched_only_while_a_tower_runs():
+    """The tower patches are entered by each tower and left after it: before
+    and after a 2-tower fit, Keras's loss scaling and optimizers are its
+    own functions (they used to be replaced for good at import)."""
+    from keras.src.backend.tensorflow.optimizer import TFOptimizer
+    from keras.src.losses import loss as loss_module
+    from keras.src.optimizers.base_optimizer import BaseOptimizer
+    from keras.src.optimizers.loss_scale_optimizer import LossScaleOptimizer
+
+    def current():
+        return (BaseOptimizer.apply, LossScaleOptimizer.apply, TFOptimizer._all_reduce_sum_gradients,
+                loss_module.scale_loss_for_distribution, loss_module.unscale_loss_for_distribution)
+
+    before = current()
+    assert not any(hasattr(f, "_kerastower_original") for f in before)
+    seen_in_tower = []
+
+    class Probe(keras.layers.Layer):
+        def call(self, x):
+            seen_in_tower.append(BaseOptimizer.apply is not before[0])
+            return x
+
+    with kt.distributed("mirrored", devices=["/cpu:0", "/cpu:1"]):
+        inputs = keras.Input((3,))
+        model = kt.TowerModel(inputs, keras.layers.Dense(1)(Probe()(inputs)))
+        model.compile(optimizer="sgd", loss="mse")
+        model.fit(np.ones((16, 3)), np.ones((16, 1)), batch_size=4, verbose=0)
+    assert True in seen_in_tower   # patched while the towers were traced
+    assert current() == before

@@ -19,7 +19,7 @@ import keras
 from kerastower._tf import tf
 from kerastower.errors import KerasTowerError
 
-__all__ = ["TESTED", "require", "install_tower_patches"]
+__all__ = ["TESTED", "require", "tower_patches", "ScopedPatch"]
 
 # The pairs CI runs: the newest (all tests) and the oldest pyproject.toml
 # allows (scripts/test-oldest.sh: the equivalence tests).
@@ -257,7 +257,6 @@ class input_devices_kept:
 _state = threading.local()
 _reduced_lock = threading.Lock()
 _reduced_depth = 0  # global: tf.distribute runs merge calls in other threads
-_installed = []
 
 
 def _in_tower():
@@ -300,21 +299,42 @@ def _patch(owner, name, make_replacement):
     setattr(owner, name, replacement)
 
 
-def install_tower_patches(apply_in_tower):
-    """Installs the patches once. `apply_in_tower(optimizer, apply, grads,
-    variables)` is called for `optimizer.apply` inside a training tower;
-    `apply` is Keras's own, to be called on the reduced gradients."""
-    if _installed:
-        return
-    loss_module = require("keras.src.losses", "loss")
+class _PatchGroup:
+    """ScopedPatches entered and left together."""
+
+    def __init__(self, patches):
+        self._patches = list(patches)
+
+    def __enter__(self):
+        entered = []
+        try:
+            for patch in self._patches:
+                patch.__enter__()
+                entered.append(patch)
+        except BaseException:
+            for patch in reversed(entered):
+                patch.__exit__(None, None, None)
+            raise
+        return self
+
+    def __exit__(self, *exc_info):
+        for patch in reversed(self._patches):
+            patch.__exit__(*exc_info)
+        return False
+
+
+def tower_patches(apply_in_tower):
+    """The patches a TensorFlow tower runs under, as one scope to enter
+    while a tower is traced or run (TensorFlow's `tower_scope`): outside
+    every tower, Keras's losses and optimizers are Keras's own.
+    `apply_in_tower(optimizer, apply, grads, variables)` is called for
+    `optimizer.apply` inside a training tower; `apply` is Keras's own, to
+    be called on the reduced gradients."""
 
     def per_tower_scaling(original):
         def scale(value):
             return value if _in_tower() else original(value)
         return scale
-
-    for name in ("scale_loss_for_distribution", "unscale_loss_for_distribution"):
-        _patch(loss_module, name, per_tower_scaling)
 
     def reduce_then_apply(original):
         def apply(self, grads, trainable_variables=None):
@@ -326,11 +346,6 @@ def install_tower_patches(apply_in_tower):
             return apply_in_tower(self, original, grads, trainable_variables)
         return apply
 
-    base = require("keras.src.optimizers.base_optimizer", "BaseOptimizer")
-    loss_scale = require("keras.src.optimizers.loss_scale_optimizer", "LossScaleOptimizer")
-    for owner in (base, loss_scale):
-        _patch(owner, "apply", reduce_then_apply)
-
     def skip_if_reduced(original):
         def all_reduce(self, grads_and_vars):
             if _reduced_depth > 0:
@@ -338,9 +353,19 @@ def install_tower_patches(apply_in_tower):
             return original(self, grads_and_vars)
         return all_reduce
 
-    tf_optimizer = require("keras.src.backend.tensorflow.optimizer", "TFOptimizer")
-    _patch(tf_optimizer, "_all_reduce_sum_gradients", skip_if_reduced)
-    _installed.append(True)
+    def loss_module():
+        return require("keras.src.losses", "loss")
+
+    return _PatchGroup([
+        ScopedPatch(loss_module, "scale_loss_for_distribution", per_tower_scaling),
+        ScopedPatch(loss_module, "unscale_loss_for_distribution", per_tower_scaling),
+        ScopedPatch(lambda: require("keras.src.optimizers.base_optimizer", "BaseOptimizer"),
+                    "apply", reduce_then_apply),
+        ScopedPatch(lambda: require("keras.src.optimizers.loss_scale_optimizer", "LossScaleOptimizer"),
+                    "apply", reduce_then_apply),
+        ScopedPatch(lambda: require("keras.src.backend.tensorflow.optimizer", "TFOptimizer"),
+                    "_all_reduce_sum_gradients", skip_if_reduced),
+    ])
 
 
 def apply_if(condition, apply, gradients):

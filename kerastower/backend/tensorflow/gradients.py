@@ -2,7 +2,8 @@
 then applied once.
 
 Inside a training tower, Keras's `optimizer.apply` (patched by
-`_compat.install_tower_patches`) calls `apply_in_tower`, which:
+`TOWER_PATCHES` while a tower is traced or run, see `_compat.tower_patches`)
+calls `apply_in_tower`, which:
 
 1. weights the tower's gradients by its share of the step's examples,
    `n_i / sum_j n_j` (when the counts are not known in advance, each tower
@@ -104,7 +105,7 @@ def _example_weighted_sum(ctx, gradients, variables, key):
 def apply_in_tower(optimizer, keras_apply, gradients, variables=None):
     """`optimizer.apply` inside a training tower: reduce, then Keras's apply.
 
-    Installed into Keras's optimizers by `_compat.install_tower_patches`.
+    Put into Keras's optimizers by `TOWER_PATCHES` while a tower runs.
     """
     ctx = get_current_tower_context()
     if not optimizer.built:
@@ -141,7 +142,8 @@ def apply_in_tower(optimizer, keras_apply, gradients, variables=None):
         _compat.apply_if(finite, lambda grads: keras_apply(optimizer, grads, variables), reduced)
 
 
-_compat.install_tower_patches(apply_in_tower)
+# Entered by every TensorFlow tower (step.tower_scope), left when it ends.
+TOWER_PATCHES = _compat.tower_patches(apply_in_tower)
 
 
 def gradients_unless_empty(model, forward_backward, examples, variables):

@@ -28,7 +28,7 @@ import tensorflow as tf
 
 from kerastower import _compat
 from kerastower.backend.tensorflow import collectives
-from kerastower.backend.tensorflow import gradients  # noqa: F401  (installs apply_in_tower)
+from kerastower.backend.tensorflow import gradients
 from kerastower.backend.tensorflow import nonfinite
 from kerastower.backend.tensorflow import xla
 from kerastower.backend.tensorflow import step_errors
@@ -88,7 +88,8 @@ def tower_scope(model, is_training, step_name, name=None, examples=None, equal_b
         n = tf.cast(examples, tf.float32)
         ctx.defer_example_weight(
             lambda: tf.math.divide_no_nan(n, strategy.all_reduce_sum([n])[0]))
-    with ctx, tf.summary.record_if(ctx.is_main_tower), forbid_variable_creation(step_name):
+    with gradients.TOWER_PATCHES, ctx, tf.summary.record_if(ctx.is_main_tower), \
+            forbid_variable_creation(step_name):
         yield ctx
         if is_training:
             _follow_main_tower(model, ctx)
