@@ -2,16 +2,16 @@
 
 `backend/tensorflow/` runs the towers with `tf.distribute` (a `tf.function`
 over `strategy.run`); `backend/jax/` with one jitted `shard_map` over a
-device mesh. Each gives two things, picked here by the backend Keras runs
-on (as Keras picks its trainer): the tower steps `TowerModel` inherits
-(`tower_steps()`), and the `StepEngine` (engine.py) through which the
-model and the loop run them (`make_engine(model)`). Nothing else in
-kerastower asks which backend it is on.
+device mesh. What differs between them is picked here, by the backend Keras
+runs on (as Keras picks its trainer): the tower steps `TowerModel` inherits
+(`tower_steps()`), the `StepEngine` (engine.py) through which the model
+and the loop run them (`make_engine(model)`), kt.Trainer's feed
+(`trainer_feed()`) and `kt.minimize`'s step (`minimize_step()`).
 """
 
 import keras
 
-__all__ = ["name", "tower_steps", "make_engine", "exact_float"]
+__all__ = ["name", "tower_steps", "make_engine", "trainer_feed", "minimize_step", "exact_float"]
 
 
 def name():
@@ -35,6 +35,24 @@ def make_engine(model):
     else:
         from kerastower.backend.tensorflow.engine import TensorFlowEngine as Engine
     return Engine(model)
+
+
+def trainer_feed():
+    """The class of kt.Trainer's feed on this backend (what `next_batches()` reads)."""
+    if name() == "jax":
+        from kerastower.backend.jax.trainer_feed import JaxFeed as Feed
+    else:
+        from kerastower.backend.tensorflow.trainer_feed import TensorFlowFeed as Feed
+    return Feed
+
+
+def minimize_step():
+    """The backend's `kt.minimize`: one optimizer step on a loss."""
+    if name() == "jax":
+        from kerastower.backend.jax.minimize import minimize_step as step
+    else:
+        from kerastower.backend.tensorflow.minimize import minimize_step as step
+    return step
 
 
 def exact_float():

@@ -25,7 +25,7 @@ class Regression(kt.Trainer):
 ```
 """
 
-from kerastower.strategies.switch import _on_jax
+from kerastower import backend
 
 __all__ = ["minimize"]
 
@@ -54,56 +54,4 @@ def minimize(optimizer, loss_fn, variables):
         >>> float(weight.numpy())    # 3 - 0.25 * 2 * 3
         1.5
     """
-    variables = list(variables)
-    if _on_jax():
-        return _minimize_on_jax(optimizer, loss_fn, variables)
-    from kerastower._tf import tf
-
-    with tf.GradientTape() as tape:
-        loss = loss_fn()
-        scaled = optimizer.scale_loss(loss)
-    optimizer.apply(tape.gradient(scaled, variables), variables)
-    return loss
-
-
-def _minimize_on_jax(optimizer, loss_fn, variables):
-    import jax
-
-    from kerastower._compat import on_jax as jax_compat
-    from kerastower.backend.jax.tower_function import traced_state
-
-    state = traced_state()
-    eager = state is None
-    if eager:
-        state = variables
-    differentiated = {id(v) for v in variables}
-    others = [v for v in state if id(v) not in differentiated]
-    held = {id(v) for v in state}
-
-    def loss_of(values):
-        # collect_losses: the loss may add model.losses (activity regularizers).
-        with jax_compat.inheriting_stateless_scope(list(zip(variables, values)),
-                                                   collect_losses=True) as scope:
-            before = [scope.state_mapping.get(id(v)) for v in others]
-            loss = loss_fn()
-            scaled = optimizer.scale_loss(loss)
-        if set(scope.state_mapping) - held:
-            from kerastower.errors import KerasTowerError
-
-            raise KerasTowerError(
-                "kt.minimize on JAX: the loss assigned variables other than those minimized "
-                + ("(BatchNormalization statistics, a random seed's state), which only a tower "
-                   "function carries on. Call it inside a kt.Trainer.tower_function."
-                   if eager else "that the model and its optimizers do not hold, so their new "
-                   "values would be lost. Keep them on the model (model.add_weight(...))."))
-        # What the loss assigned (BatchNormalization's statistics, seeds) goes on.
-        updates = {i: scope.state_mapping[id(v)] for i, v in enumerate(others)
-                   if scope.state_mapping.get(id(v)) is not before[i]}
-        return scaled, (loss, updates)
-
-    (_, (loss, updates)), grads = jax.value_and_grad(loss_of, has_aux=True)(
-        [v.value for v in variables])
-    for i, value in updates.items():
-        others[i].assign(value)
-    optimizer.apply(grads, variables)
-    return loss
+    return backend.minimize_step()(optimizer, loss_fn, list(variables))

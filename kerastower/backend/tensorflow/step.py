@@ -90,7 +90,10 @@ def tower_scope(model, is_training, step_name, name=None, examples=None, equal_b
             lambda: tf.math.divide_no_nan(n, strategy.all_reduce_sum([n])[0]))
     with gradients.TOWER_PATCHES, ctx, tf.summary.record_if(ctx.is_main_tower), \
             forbid_variable_creation(step_name):
+        kept = _kept_for_a_nonfinite_step(model, ctx) if is_training else None
         yield ctx
+        if kept is not None:
+            _put_back_unless_finite(ctx, kept)
         if is_training:
             _follow_main_tower(model, ctx)
 
@@ -112,6 +115,31 @@ def _replica_local_weights(model):
             if weight.aggregation == "none" and id(weight) not in skip
         ]
     return cache.local_weights
+
+
+def _kept_for_a_nonfinite_step(model, ctx):
+    """What a training tower's forward pass changes besides the update
+    (BatchNormalization's statistics, the metrics), with its values before
+    the step: a step whose gradients are not finite applies no update, and
+    must leave these as they were too (JAX's step does the same)."""
+    if not ctx.check_finite:
+        return None
+    variables = _replica_local_weights(model) + list(model.metrics_variables)
+    return [(v, tf.identity(v.value)) for v in variables]
+
+
+def _put_back_unless_finite(ctx, kept):
+    flags = getattr(ctx, "nonfinite_flags", None)
+    if flags is None:  # the step applied no gradients
+        return
+
+    def put_back():
+        for variable, before in kept:
+            variable.assign(before)
+        return tf.constant(True)
+
+    # A cond: a finite step, the common one, runs no assignment.
+    tf.cond(flags[0], lambda: tf.constant(True), put_back)
 
 
 def _follow_main_tower(model, ctx):

@@ -1,6 +1,7 @@
-"""A step whose gradients hold NaN or Inf stops training on JAX as on
-TensorFlow: its update is not applied, and the error names the step and
-the tower (also while fit reads the next step's batches ahead)."""
+"""A step whose gradients hold NaN or Inf stops training, on both backends
+alike: its update is not applied (BatchNormalization's statistics
+included), and the error names the step and the tower (also while fit, on
+JAX, reads the next step's batches ahead)."""
 
 import keras
 import numpy as np
@@ -8,9 +9,11 @@ import pytest
 
 import kerastower as kt
 
+from shared_helpers import tower_devices
+
 
 def _model(check_finite=True):
-    with kt.distributed("mirrored", devices=[0, 1]):
+    with kt.distributed("mirrored", devices=tower_devices(2)):
         inputs = keras.Input((3,))
         model = kt.TowerModel(inputs, keras.layers.Dense(1)(inputs))
         model.compile(optimizer=keras.optimizers.SGD(0.1), loss="mse", check_finite=check_finite)
@@ -50,7 +53,7 @@ def test_check_finite_false_applies_the_step():
 
 
 def _batchnorm_model(steps_per_execution, weights=None):
-    with kt.distributed("mirrored", devices=[0, 1]):
+    with kt.distributed("mirrored", devices=tower_devices(2)):
         inputs = keras.Input((3,))
         model = kt.TowerModel(inputs, keras.layers.Dense(1)(keras.layers.BatchNormalization()(inputs)))
         model.compile(optimizer=keras.optimizers.SGD(0.1), loss="mse",

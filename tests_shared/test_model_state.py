@@ -1,15 +1,17 @@
-"""The weights stay on the towers between steps and reach the model's
-variables whenever something reads them: callbacks, evaluate, the user."""
+"""Callbacks, evaluate and the user read and write the weights each step
+made, on both backends (on JAX the weights stay on the towers between
+steps and reach the model's variables whenever something reads them)."""
 
-import jax
 import keras
 import numpy as np
 
 import kerastower as kt
 
+from shared_helpers import tower_devices
+
 
 def _model():
-    with kt.distributed("mirrored", devices=[0, 1]):
+    with kt.distributed("mirrored", devices=tower_devices(2)):
         inputs = keras.Input((3,))
         model = kt.TowerModel(inputs, keras.layers.Dense(1)(inputs))
         model.compile(optimizer=keras.optimizers.SGD(0.1), loss="mse")

@@ -1,19 +1,20 @@
-"""What Keras users call on a model, on JAX: a saved TowerModel loads back
-compiled (no custom_objects), an uncompiled one predicts, and the
-single-batch methods say what to use instead."""
+"""What Keras users call on a model, on both backends: a saved TowerModel
+loads back compiled (no custom_objects), an uncompiled one predicts, and
+the single-batch methods say what to use instead."""
 
-import jax
 import keras
 import numpy as np
 import pytest
 
 import kerastower as kt
 
+from shared_helpers import tower_devices
+
 
 def _trained():
     x = np.random.default_rng(0).normal(size=(32, 4)).astype("float32")
     y = x.sum(axis=1, keepdims=True)
-    with kt.distributed("mirrored", devices=jax.devices()[:2]):
+    with kt.distributed("mirrored", devices=tower_devices(2)):
         inputs = keras.Input((4,))
         model = kt.TowerModel(inputs, keras.layers.Dense(1)(inputs))
         model.compile(optimizer="adam", loss="mse", check_finite=False)
@@ -24,7 +25,7 @@ def _trained():
 def test_a_saved_tower_model_loads_compiled_and_trains_on(tmp_path):
     model, x, y = _trained()
     model.save(tmp_path / "model.keras")
-    with kt.distributed("mirrored", devices=jax.devices()[:2]):   # loaded onto 2 towers
+    with kt.distributed("mirrored", devices=tower_devices(2)):   # loaded onto 2 towers
         loaded = keras.models.load_model(tmp_path / "model.keras")   # no custom_objects
     assert isinstance(loaded, kt.TowerModel) and loaded.compiled
     assert int(loaded.optimizer.iterations.numpy()) == int(model.optimizer.iterations.numpy()) == 4
@@ -35,7 +36,7 @@ def test_a_saved_tower_model_loads_compiled_and_trains_on(tmp_path):
 
 
 def test_an_uncompiled_model_predicts():
-    with kt.distributed("mirrored", devices=jax.devices()[:2]):
+    with kt.distributed("mirrored", devices=tower_devices(2)):
         inputs = keras.Input((4,))
         model = kt.TowerModel(inputs, keras.layers.Dense(1)(inputs))
     x = np.random.default_rng(1).normal(size=(7, 4)).astype("float32")

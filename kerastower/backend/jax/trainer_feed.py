@@ -1,0 +1,43 @@
+"""kt.Trainer's feed on JAX: what `next_batches()` takes from.
+
+A Python generator, iterator or iterable of batches, or a
+`keras.utils.PyDataset`, dealt out as fit deals them (inputs/jax_sources.py):
+tower k of step s takes the source's batch s*N+k.
+"""
+
+import keras
+
+from kerastower.errors import InputSourceError
+
+__all__ = ["JaxFeed"]
+
+
+class JaxFeed:
+    """A generator, iterator, iterable or PyDataset of per-tower batches."""
+
+    def __init__(self, input, owner):
+        from kerastower.inputs import jax_sources
+
+        if not jax_sources.is_batched(input):
+            raise InputSourceError(
+                f"{owner}: on JAX the input is a Python generator (or iterable) of "
+                "batches or a keras.utils.PyDataset, each batch one tower's; got "
+                f"{type(input).__name__}. For numpy arrays, yield their batches: "
+                "(x[i:i + n] for i in itertools.cycle(range(0, len(x) - n + 1, n))).")
+        self.source = jax_sources.tower_batches(input)
+        self.iterator = None
+
+    def open(self, strategy, skip_batches):
+        skip = max(skip_batches) if skip_batches else 0
+        self.iterator = self.source.endless(strategy.num_towers, skip_steps=skip)
+
+    def next(self, strategy):
+        """(one step's batches, a `TowerBatches`; examples by tower), or None
+        at the input's end. Batches that differ only in their number of
+        examples are joined, and the step runs as one tower on them."""
+        from kerastower.backend.jax.tower_function import TowerBatches
+
+        batches = next(self.iterator, None)
+        if batches is None:
+            return None
+        return TowerBatches(batches), [len(keras.tree.flatten(b)[0]) for b in batches]

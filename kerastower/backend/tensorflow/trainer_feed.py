@@ -1,0 +1,49 @@
+"""kt.Trainer's feed on TensorFlow: what `next_batches()` takes from.
+
+A `kt.InputSource` or `tf.data.Dataset`, distributed by the strategy
+(inputs/sources.py): tower k of step s takes the source's batch s*N+k.
+"""
+
+from kerastower.errors import InputSourceError
+
+__all__ = ["TensorFlowFeed"]
+
+
+class TensorFlowFeed:
+    """A `kt.InputSource` or `tf.data.Dataset`, distributed by the strategy."""
+
+    def __init__(self, input, owner):
+        from kerastower._tf import tf
+        from kerastower.inputs.sources import InputSource
+        from kerastower.inputs.sources import as_input_source
+
+        if not isinstance(input, (InputSource, tf.data.Dataset)):
+            raise InputSourceError(
+                f"{owner}: input must be a kt.InputSource or a tf.data.Dataset; got "
+                f"{type(input).__name__}. Wrap arrays in "
+                "tf.data.Dataset.from_tensor_slices(...).batch(n).repeat().")
+        self.source = as_input_source(input)
+        self.iterator = None
+
+    def open(self, strategy, skip_batches):
+        self.iterator = iter(self.source.distribute(strategy, skip_batches=skip_batches))
+
+    def next(self, strategy):
+        """(one step's batches, examples by tower), or None at the input's end."""
+        has_data, batches = strategy.next_step(self.iterator)
+        if not bool(has_data):
+            return None
+        batches = batches()
+        return batches, self._examples_in(strategy, batches)
+
+    @staticmethod
+    def _examples_in(strategy, batches):
+        """Examples in one step's batches, by tower. A process sees its own
+        towers' batches; with one tower per process (Horovod, multi-worker),
+        the others are counted as the same size: an endless input gives
+        every tower a whole batch."""
+        from kerastower.backend.tensorflow.step import num_examples
+
+        local = [int(num_examples(batch)) for batch in strategy.tower_values(batches)]
+        num_towers = strategy.num_towers
+        return (local * num_towers)[:num_towers] if len(local) < num_towers else local
