@@ -122,11 +122,15 @@ class TowerModel(backend.tower_steps(), keras.Model):
 
     def compile(self, *args, jit_compile="auto", check_finite=True, **kwargs):
         """As `keras.Model.compile`; `jit_compile` compiles each tower's work
-        with XLA (on TensorFlow: on N towers `train_step`'s forward and
-        backward and the whole `test_step` and `predict_step`, on one the
-        whole step; "auto" uses XLA when there is an accelerator; on JAX the
-        step is always jitted). `check_finite=False` drops each step's NaN
-        check of the reduced gradients (docs/reliability.md)."""
+        with XLA (see kerastower/backend/tensorflow/xla.py): on N towers, the
+        forward and backward of `train_step` and the whole `test_step` and
+        `predict_step`; on one tower, the whole step. "auto" uses XLA when
+        the machine has an accelerator, as Keras does on one device. On JAX
+        the whole step is always one jitted call.
+
+        `check_finite=False` drops the NaN/Inf check of every step's reduced
+        gradients (docs/reliability.md), which reads them once more: a
+        non-finite step is then applied, as stock Keras applies it."""
         kwargs = arguments.compile_kwargs(kwargs)
         super().compile(*args, jit_compile=self.engine.keras_jit_compile(jit_compile), **kwargs)
         self.tower_check_finite = arguments.boolean(check_finite, "check_finite", "compile")

@@ -24,11 +24,13 @@ class TowerStrategy:
         name: the registry name this strategy was made from.
         tf_strategy: the `tf.distribute.Strategy` that places the towers.
 
+    `kt.distributed(name)` makes one and enters it:
+
     Examples:
         >>> import kerastower as kt
         >>> with kt.distributed("mirrored", devices=["/cpu:0", "/cpu:1"]) as strategy:
-        ...     print(strategy.num_towers)
-        2
+        ...     print(strategy.num_towers, strategy.single_process)
+        2 True
     """
 
     # Whether every tower runs in this process: then reading the towers'

@@ -60,7 +60,8 @@ class TensorFlowEngine(StepEngine):
         self.cache = StepCache()
 
     def keras_jit_compile(self, jit_compile):
-        # Keras's step functions (they would jit the cross-tower work) are unused.
+        # Keras's own step functions, which would jit-compile the cross-tower
+        # work too, are not used: ours compile the towers' part.
         return False
 
     def compiled(self, jit_compile):
