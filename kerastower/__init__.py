@@ -73,10 +73,8 @@ _TENSORFLOW_ONLY = {
 
 
 def __getattr__(name):
-    if f"kerastower.{name}" in _moved.MOVED:  # a module read as an attribute
-        import importlib
-
-        return importlib.import_module(f"kerastower.{name}")
+    if _moved.is_moved(f"kerastower.{name}"):  # a module read as an attribute
+        return _moved.attribute(f"kerastower.{name}")
     if name in _TENSORFLOW_ONLY and _on_jax():
         raise KerasTowerError(
             f"kt.{name} runs on TensorFlow only, and this process runs Keras on JAX "

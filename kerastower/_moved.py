@@ -52,6 +52,10 @@ MOVED = {
 _GONE_PACKAGES = {"kerastower.engine": "kerastower.backend.tensorflow / kerastower.backend.jax"}
 
 
+def _no_attribute(package, attr):
+    raise AttributeError(f"module {package!r} has no attribute {attr!r}")
+
+
 class _MovedModuleFinder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
     def __init__(self):
         self._specs = {}
@@ -66,12 +70,15 @@ class _MovedModuleFinder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
         if spec.name in _GONE_PACKAGES:
             module = types.ModuleType(spec.name, f"Moved to {_GONE_PACKAGES[spec.name]}.")
             module.__path__ = []
+            # `kt.engine.tf_step` without importing it first, as before.
+            module.__getattr__ = lambda attr, package=spec.name: attribute(f"{package}.{attr}") \
+                if is_moved(f"{package}.{attr}") else _no_attribute(package, attr)
             return module
         new = MOVED[spec.name]
         warnings.warn(
             f"{spec.name} moved to {new}; the old path works until kerastower 0.3. "
             f"Import {new} (or the public names from kerastower) instead.",
-            DeprecationWarning, stacklevel=3)
+            DeprecationWarning, stacklevel=2)
         module = importlib.import_module(new)
         self._specs[spec.name] = module.__spec__
         return module
@@ -81,6 +88,25 @@ class _MovedModuleFinder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
         # keeps its own.
         if module.__name__ != module.__spec__.name and module.__spec__.name in self._specs:
             module.__spec__ = self._specs.pop(module.__spec__.name)
+
+
+def is_moved(name):
+    """Whether `name` is an old module path (or gone package) this finder serves."""
+    return name in MOVED or name in _GONE_PACKAGES
+
+
+def attribute(name):
+    """The module at old path `name`, read as an attribute (`kt.mirrored`),
+    with the warning pointing at the user's line."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)
+        module = importlib.import_module(name)
+    if name in MOVED:
+        warnings.warn(
+            f"{name} moved to {MOVED[name]}; the old path works until kerastower 0.3. "
+            f"Import {MOVED[name]} (or the public names from kerastower) instead.",
+            DeprecationWarning, stacklevel=3)
+    return module
 
 
 def install():

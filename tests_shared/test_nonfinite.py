@@ -76,3 +76,17 @@ def test_a_nonfinite_step_leaves_batchnorm_statistics_as_they_were(steps_per_exe
     reference.fit(x[:8], y[:8], batch_size=4, shuffle=False, verbose=0)   # the good step alone
     for got, want in zip(model.get_weights(), reference.get_weights()):
         np.testing.assert_allclose(got, want, atol=1e-6)
+
+
+def test_terminate_on_nan_at_an_epochs_first_step_logs_nan_not_zero():
+    """No step of the epoch was applied: its logs say NaN (they said 0.0 on
+    JAX, the metrics put back to their reset values, and were missing
+    when the run's first step failed)."""
+    x, y, _ = _data()
+    x_bad = x.copy()
+    x_bad[0] = np.inf   # the first step
+    model = _model()
+    history = model.fit(x_bad, y, batch_size=4, shuffle=False, verbose=0,
+                        callbacks=[keras.callbacks.TerminateOnNaN()])
+    assert model.loop.global_step == 0
+    assert len(history.history["loss"]) == 1 and np.isnan(history.history["loss"][0])

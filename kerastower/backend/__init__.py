@@ -11,7 +11,8 @@ and the loop run them (`make_engine(model)`), kt.Trainer's feed
 
 import keras
 
-__all__ = ["name", "tower_steps", "make_engine", "trainer_feed", "minimize_step", "exact_float"]
+__all__ = ["name", "tower_steps", "make_engine", "trainer_feed", "minimize_step",
+           "evaluation_source", "exact_float"]
 
 
 def name():
@@ -53,6 +54,18 @@ def minimize_step():
     else:
         from kerastower.backend.tensorflow.minimize import minimize_step as step
     return step
+
+
+def evaluation_source(x, y=None, sample_weight=None, batch_size=None):
+    """What evaluate would read `x` (and `y`, `sample_weight`) as, made and
+    checked before any model runs (InferenceRunner, when constructed)."""
+    if name() == "jax":
+        from kerastower.inputs.jax_sources import tower_batches
+
+        return tower_batches(x, y, sample_weight, batch_size)
+    from kerastower.inputs.sources import as_input_source
+
+    return as_input_source(x, y, sample_weight, batch_size)
 
 
 def exact_float():

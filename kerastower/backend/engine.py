@@ -85,6 +85,8 @@ class TowerFunctionRunner:
         self._compiled = None
 
     def __getattr__(self, name):
+        if "tower_function" not in self.__dict__:  # copy and pickle ask before __init__
+            raise AttributeError(name)
         return getattr(self.__dict__["tower_function"], name)
 
     def __call__(self, model, args):

@@ -181,7 +181,9 @@ class InferenceRunner(Callback):
                           "batch_size": batch_size or 32}
         else:
             self._data = {"x": source, "batch_size": batch_size}
-        self._input = None  # the engine's source of the data, made when first needed
+        # Made (and a bad source refused) now, not after an epoch of training.
+        self._input = backend.evaluation_source(**{
+            "y": None, "sample_weight": None, **self._data})
         self._compiled = {}  # what the engine compiled to sum over it
         self.inferencers = list(inferencers)
         for inferencer in self.inferencers:
@@ -216,10 +218,4 @@ class InferenceRunner(Callback):
     def _sums_over_source(self, counters):
         """Per-inferencer sums over every example of the source, all towers
         (the engine's `inference_sums`)."""
-        engine = self.model.engine
-        if self._input is None:
-            data = self._data
-            self._input = engine.input_source(
-                data["x"], data.get("y"), data.get("sample_weight"), data["batch_size"],
-                method="evaluate")
-        return engine.inference_sums(self._input, counters, self._compiled)
+        return self.model.engine.inference_sums(self._input, counters, self._compiled)

@@ -105,6 +105,10 @@ class FitSteps(Iteration):
     def epoch_logs(self, loop):
         self.model.engine.sync_state()  # epoch-end callbacks and validation read the weights
         logs = self._logs_of_every_tower()
+        if self.failure is not None and loop.local_step == 0:
+            # TerminateOnNaN ended an epoch none of whose steps was applied:
+            # it measured nothing (its metrics are back to zero, not a best).
+            logs = {key: float("nan") for key in logs}
         validation = self.validation
         if validation is not None and _due(loop.epoch_num - 1, validation["freq"]):
             values = self.model.evaluate(

@@ -168,19 +168,21 @@ class distributed:
 
     def __enter__(self):
         strategy = self.strategy
+        if not _on_jax():
+            _STOCK_FIT_CHECK.__enter__()   # first: if Keras moved, nothing else is entered
         scope = strategy.scope()
         scope.__enter__()
         self._scopes.append(scope)
         _active().append(strategy)
-        if not _on_jax():
-            _STOCK_FIT_CHECK.__enter__()
         return strategy
 
     def __exit__(self, *exc_info):
-        if not _on_jax():
-            _STOCK_FIT_CHECK.__exit__(*exc_info)
         _active().pop()
-        return self._scopes.pop().__exit__(*exc_info)
+        try:
+            return self._scopes.pop().__exit__(*exc_info)
+        finally:
+            if not _on_jax():
+                _STOCK_FIT_CHECK.__exit__(*exc_info)
 
     def __call__(self, fn):
         @functools.wraps(fn)

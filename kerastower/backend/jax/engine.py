@@ -10,6 +10,7 @@ the towers hold between steps, written into the model's variables by
 
 import contextlib
 
+import jax
 import keras
 import numpy as np
 
@@ -171,7 +172,8 @@ class JaxEngine(StepEngine):
 
     def memory_peaks(self):
         devices = self.model.tower_strategy.step_devices(self.model.num_towers)
-        stats = [device.memory_stats() for device in devices]
+        # Another process's devices (multihost) report to that process only.
+        stats = [d.memory_stats() for d in devices if d.process_index == jax.process_index()]
         return [s["peak_bytes_in_use"] for s in stats if s and "peak_bytes_in_use" in s]
 
     @contextlib.contextmanager
@@ -253,6 +255,7 @@ class _Feed(Feed):
             run.done += done
             run.taken += done
             if failed is not None:
+                run.taken += 1   # its batches were read; its update was not applied
                 run.nonfinite_towers = failed[1]
                 break
         return run
