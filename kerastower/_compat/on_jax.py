@@ -18,9 +18,9 @@ import inspect
 
 import keras
 
-from kerastower._compat import _missing
-from kerastower._compat import _patch
-from kerastower._compat import require
+from kerastower._compat.patches import _patch
+from kerastower._compat.required import _missing
+from kerastower._compat.required import require
 
 __all__ = ["require_function", "install_synchronized_batchnorm", "current_stateless_scope",
            "inheriting_stateless_scope"]
