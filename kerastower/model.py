@@ -29,6 +29,7 @@ import keras
 from kerastower import _compat
 from kerastower import arguments
 from kerastower import backend
+from kerastower.loop import single_batch
 from kerastower.loop.fit_steps import FitSteps
 from kerastower.loop.inference_loops import evaluate_loop
 from kerastower.loop.inference_loops import predict_loop
@@ -259,19 +260,17 @@ class TowerModel(backend.tower_steps(), keras.Model):
             return predict_loop(self, source, steps, callbacks)
 
     # ------------------------------------------------------------------
-    # One batch cannot feed several towers without splitting it.
+    # One step on a given batch: on N towers, tower k takes its k-th part.
 
-    def _no_single_batch(self, method, instead):
-        raise NotImplementedError(
-            f"TowerModel.{method} is not supported: one batch cannot feed several "
-            f"towers without splitting it. Use {instead} on that batch instead (as "
-            "arrays, or a one-batch tf.data.Dataset on TensorFlow).")
+    def train_on_batch(self, x, y=None, sample_weight=None, class_weight=None, return_dict=False):
+        """As `keras.Model.train_on_batch`; on N towers the batch is the
+        joined batch, tower k taking its k-th equal part (loop/single_batch.py)."""
+        return single_batch.train_on_batch(self, x, y, sample_weight, class_weight, return_dict)
 
-    def train_on_batch(self, *args, **kwargs):
-        self._no_single_batch("train_on_batch", "fit(..., steps_per_epoch=1)")
+    def test_on_batch(self, x, y=None, sample_weight=None, return_dict=False):
+        """As `keras.Model.test_on_batch`; on N towers, as `train_on_batch`."""
+        return single_batch.test_on_batch(self, x, y, sample_weight, return_dict)
 
-    def test_on_batch(self, *args, **kwargs):
-        self._no_single_batch("test_on_batch", "evaluate(...)")
-
-    def predict_on_batch(self, *args, **kwargs):
-        self._no_single_batch("predict_on_batch", "predict(...)")
+    def predict_on_batch(self, x):
+        """As `keras.Model.predict_on_batch`; on N towers, as `train_on_batch`."""
+        return single_batch.predict_on_batch(self, x)

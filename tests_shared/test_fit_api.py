@@ -85,8 +85,6 @@ def test_predict_keeps_the_input_order_and_dict_outputs(two_towers):
     np.testing.assert_array_equal(out["twice"], 2 * x)
 
 
-@pytest.mark.xfail(BACKEND == "tensorflow", strict=True, raises=kt.InputSourceError,
-                   reason="issue 26: fit on TensorFlow refuses a plain Python generator")
 def test_steps_per_epoch_takes_that_many_steps_from_an_endless_generator(two_towers):
     x, y = _data(64)
     taken = []

@@ -41,11 +41,3 @@ def test_an_uncompiled_model_predicts():
         model = kt.TowerModel(inputs, keras.layers.Dense(1)(inputs))
     x = np.random.default_rng(1).normal(size=(7, 4)).astype("float32")
     np.testing.assert_allclose(model.predict(x, batch_size=2, verbose=0), model(x), atol=1e-6)
-
-
-@pytest.mark.parametrize("method,instead", [("train_on_batch", "fit"), ("test_on_batch", "evaluate"),
-                                            ("predict_on_batch", "predict")])
-def test_single_batch_methods_say_what_to_use(method, instead):
-    model, x, y = _trained()
-    with pytest.raises(NotImplementedError, match=rf"{method}.*Use {instead}"):
-        getattr(model, method)(*((x,) if method == "predict_on_batch" else (x, y)))

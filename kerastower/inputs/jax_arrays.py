@@ -10,7 +10,7 @@ example-weighted reduce would compute.
 
 Examples:
     >>> import numpy as np
-    >>> from kerastower.jax_inputs import ArrayBatches
+    >>> from kerastower.inputs.jax_arrays import ArrayBatches
     >>> batches = ArrayBatches(np.arange(10.0)[:, None], np.zeros(10), batch_size=2)
     >>> [[b[0][:, 0].tolist() for b in step] for step in batches.one_pass(num_towers=2)]
     [[[0.0, 1.0], [2.0, 3.0]], [[4.0, 5.0], [6.0, 7.0]], [[8.0, 9.0]]]
@@ -18,7 +18,7 @@ Examples:
 
 import itertools
 
-import jax
+import keras
 import numpy as np
 
 from kerastower.errors import InputSourceError
@@ -44,7 +44,7 @@ class ArrayBatches:
                 "weight. Pass y, or put the weights into the loss yourself."
             )
         self._element = tuple(a for a in (x, y, sample_weight) if a is not None)
-        leaves = jax.tree.leaves(self._element)
+        leaves = keras.tree.flatten(self._element)
         if not leaves or not all(hasattr(a, "shape") and np.ndim(a) >= 1 for a in leaves):
             raise InputSourceError(
                 "On the JAX backend, fit, evaluate and predict take numpy arrays (or "
@@ -77,7 +77,7 @@ class ArrayBatches:
         return self._take(np.arange(min(self.batch_size, self.length)))
 
     def _take(self, indices):
-        return jax.tree.map(lambda a: np.asarray(a)[indices], self._element)
+        return keras.tree.map_structure(lambda a: np.asarray(a)[indices], self._element)
 
     def _order(self, pass_index):
         if not self._shuffle:

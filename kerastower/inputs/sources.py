@@ -15,7 +15,8 @@ kt.DummyConstantInput((images, labels))       # constant batches, for benchmarks
 ```
 
 `fit`, `evaluate` and `predict` also take plain `tf.data.Dataset`s (as
-`DatasetInput`) and numpy arrays (batched with `batch_size` per tower).
+`DatasetInput`), numpy arrays (batched with `batch_size` per tower), and
+Python generators, iterables and `keras.utils.PyDataset`s (python_input.py).
 """
 
 import collections
@@ -25,6 +26,7 @@ import numpy as np
 
 from kerastower._tf import tf
 from kerastower.inputs import python_feed
+from kerastower.inputs import python_sources
 from kerastower.arguments import integer
 from kerastower.backend.tensorflow import step_errors
 from kerastower.errors import InputSourceError
@@ -375,8 +377,13 @@ def as_input_source(x, y=None, sample_weight=None, batch_size=None, shuffle=Fals
             "distributed dataset: kerastower distributes it so that each tower "
             "takes whole batches of its own."
         )
+    if python_sources.is_batched(x):
+        from kerastower.inputs.python_input import PythonSourceInput  # it builds on InputSource
+
+        return PythonSourceInput(
+            python_sources.python_batches(x, y, sample_weight, batch_size, shuffle), repeat)
     raise InputSourceError(
-        "fit/evaluate/predict take a kt.InputSource, a tf.data.Dataset or numpy "
-        f"arrays; got x of type {type(x).__name__}. Wrap a Python generator "
-        "in kt.GeneratorInput(generator_fn, output_signature)."
+        "fit/evaluate/predict take a kt.InputSource, a tf.data.Dataset, numpy "
+        "arrays (or lists and dicts of them), a Python generator or iterable of "
+        f"batches, or a keras.utils.PyDataset; got x of type {type(x).__name__}."
     )

@@ -71,13 +71,20 @@ class TensorFlowEngine(StepEngine):
     def input_source(self, x, y=None, sample_weight=None, batch_size=None, shuffle=False,
                      repeat=False, method="fit", steps=None):
         if method == "fit":
-            return as_input_source(x, y, sample_weight, batch_size, shuffle, repeat=repeat)
-        if method == "predict":
-            return as_input_source(x, batch_size=batch_size)
-        return as_input_source(x, y, sample_weight, batch_size)
+            source = as_input_source(x, y, sample_weight, batch_size, shuffle, repeat=repeat)
+        elif method == "predict":
+            source = as_input_source(x, batch_size=batch_size)
+        else:
+            source = as_input_source(x, y, sample_weight, batch_size)
+        if not steps:
+            _check_ends(source, method)
+        return source
 
     def validation_source(self, validation_data, batch_size, steps=None):
-        return arguments.validation_source(validation_data, batch_size)
+        source = arguments.validation_source(validation_data, batch_size)
+        if not steps:
+            _check_ends(source, "fit", "validation_steps")
+        return source
 
     def build_for(self, source, step=None, with_targets=True):
         batch_checks.build_for(self.model, source, with_targets, step)
@@ -94,10 +101,10 @@ class TensorFlowEngine(StepEngine):
         return StepRun(taken=run.steps, done=run.steps, logs=run.logs)
 
     def predict_step(self, iterator, step):
-        has_data, next_batches = self.model.tower_strategy.next_step(iterator)
-        if not bool(has_data):  # no tower has data left
-            return None
         try:
+            has_data, next_batches = self.model.tower_strategy.next_step(iterator)
+            if not bool(has_data):  # no tower has data left
+                return None
             return self.model.make_predict_function()(next_batches())
         except tf.errors.OpError as error:
             failure = step_errors.explain(error, f"Prediction step {step + 1}")
@@ -177,8 +184,21 @@ class TensorFlowEngine(StepEngine):
             result["logs"] += recorded["read_logs"]["step"]
         return result
 
+    @contextlib.contextmanager
     def running(self):
-        return batch_checks.original_errors()
+        # An error a generator raised while no step ran (its dataset read
+        # directly) is no step's.
+        step_errors.forget_generator_errors()
+        with batch_checks.original_errors():
+            yield
+
+
+def _check_ends(source, method, argument=None):
+    """Refuses a Python source that never ends where `method` would read it
+    to its end (a tf.data pipeline's end is checked when it is opened)."""
+    python_source = getattr(source, "source", None)
+    if getattr(source, "pass_indexed", False) and python_source is not None:
+        python_source.check_finite(method, argument)
 
 
 def _any_batch_size(spec):
@@ -204,6 +224,10 @@ class _Feed(Feed):
 
     def start(self, skip_batches, epoch_num):
         strategy = self.model.tower_strategy
+        # A Python source is distributed afresh for every pass, with its
+        # index (its order is the pass's); a tf.data pipeline draws each
+        # pass's order when an iterator of it is made.
+        self.by_pass = getattr(self.source, "pass_indexed", False)
         if self.steps_per_epoch:
             # Every process must agree, or one would wait in a collective
             # the others skip.
@@ -212,26 +236,28 @@ class _Feed(Feed):
             self.iterator = iter(self.distributed)
             return
         self.source.check_finite(strategy.num_towers)
+        self.resumed_skip = None if skip_batches is None else list(skip_batches)
+        if self.by_pass:
+            return
         self.distributed = self.source.distribute(strategy)
-        self.resumed_pass = None
         if skip_batches is not None:
-            self.resumed_pass = (self.source.distribute(strategy, skip_batches=skip_batches),
-                                 list(skip_batches))
-        # Epoch e is the input's pass e-1, also in a resumed run: a pipeline
-        # that reshuffles every pass draws each pass's order when its
-        # iterator is made, so making (and dropping) those of the passes
-        # before puts a resumed run at the same order.
+            self.resumed_pass = self.source.distribute(strategy, skip_batches=skip_batches)
+        # Epoch e is the input's pass e-1, also in a resumed run: making
+        # (and dropping) the iterators of the passes before puts a resumed
+        # run at the same order.
         for _ in range(epoch_num - 1):
             iter(self.distributed)
 
     def begin_pass(self, loop):
         if self.steps_per_epoch:
             return
-        loop.tower_batches = [0] * self.model.num_towers
-        if self.resumed_pass is not None:
-            distributed, loop.tower_batches = self.resumed_pass
-            self.resumed_pass = None
-            self.iterator = iter(distributed)
+        skip, self.resumed_skip = self.resumed_skip, None
+        loop.tower_batches = skip or [0] * self.model.num_towers
+        if self.by_pass:
+            self.iterator = iter(self.source.distribute(
+                self.model.tower_strategy, skip_batches=skip, pass_index=loop.epoch_num - 1))
+        elif skip is not None:
+            self.iterator = iter(self.resumed_pass)
         else:
             self.iterator = iter(self.distributed)
 

@@ -29,6 +29,12 @@ def record_generator_error(error, source_name, items_yielded, tower):
         _generator_errors.append((error, source_name, items_yielded, tower))
 
 
+def forget_generator_errors():
+    """Drops what no step took (called when fit, evaluate or predict begins)."""
+    with _lock:
+        _generator_errors.clear()
+
+
 def _take_generator_error():
     with _lock:
         found = _generator_errors[0] if _generator_errors else None

@@ -1,0 +1,457 @@
+"""Python sources of ready-made batches, on every backend: generators,
+iterables, `keras.utils.PyDataset`s (and, on JAX, `tf.data.Dataset`s, as
+Keras reads them there: as an iterable of numpy batches).
+
+tensorpack's tower semantics, as for numpy arrays: nothing is split, every
+tower takes whole batches of its own, and the towers share the source,
+dealt out in order: tower k of step s takes the source's batch `s * N + k`
+(`deal`, and `TowerDealer` for per-tower pipelines). A step for which fewer
+than N batches are left runs on fewer towers. Nothing is read before its
+step is due, except by a PyDataset's worker threads (reading ahead by index
+consumes nothing), so a generator that fit stops early goes on where fit
+stopped.
+
+A source is read in passes: `batches(pass_index, skip)` gives one pass's
+batches from batch `skip` on. A PyDataset's batches before `skip` are not
+read; a generator's are read and dropped, so a resumed run is exact when
+the generator gives the same batches in every run.
+
+This module imports neither TensorFlow nor JAX: the JAX engine places the
+batches itself (`inputs/jax_sources.py`), and the TensorFlow engine feeds
+them to tf.data (`inputs/python_input.py`).
+
+Examples:
+    >>> import numpy as np
+    >>> from kerastower.inputs.python_sources import GeneratorBatches
+    >>> batches = (np.full((2, 1), i, "float32") for i in range(5))
+    >>> steps = GeneratorBatches(batches).one_pass(num_towers=2)
+    >>> [[b[0][0, 0].item() for b in step] for step in steps]
+    [[0.0, 1.0], [2.0, 3.0], [4.0]]
+"""
+
+import collections
+import collections.abc
+import concurrent.futures
+import itertools
+import operator
+import threading
+
+import keras
+import numpy as np
+
+from kerastower.errors import DataMismatchError
+from kerastower.errors import InputSourceError
+
+__all__ = ["GeneratorBatches", "PyDatasetBatches", "TowerDealer", "python_batches",
+           "is_batched", "read_ahead", "deal", "numbered_steps"]
+
+
+def is_batched(x):
+    """Whether `x` yields batches itself (a PyDataset, a generator, an
+    iterator or another iterable that is not an array container, such as a
+    `tf.data.Dataset` or a torch `DataLoader`)."""
+    if isinstance(x, keras.utils.PyDataset) or isinstance(x, collections.abc.Iterator):
+        return True
+    return (isinstance(x, collections.abc.Iterable)
+            and not isinstance(x, (list, tuple, dict, str, bytes, np.ndarray))
+            and not hasattr(x, "shape") and not hasattr(x, "__array__"))
+
+
+def python_batches(x, y=None, sample_weight=None, batch_size=None, shuffle=False):
+    """A source that `is_batched`, as a source of batches.
+
+    Examples:
+        >>> from kerastower.inputs.python_sources import python_batches
+        >>> type(python_batches(iter([]))).__name__
+        'GeneratorBatches'
+    """
+    kind = type(x).__name__
+    if y is not None or sample_weight is not None:
+        raise InputSourceError(
+            f"y and sample_weight must be None when x is a {kind}: it yields "
+            "(x, y, sample_weight) itself.")
+    if batch_size is not None:
+        raise InputSourceError(
+            f"batch_size={batch_size} was given with a {kind}, whose batches are made "
+            "already: each tower takes whole batches of the source. Leave batch_size unset.")
+    if isinstance(x, keras.utils.PyDataset):
+        return PyDatasetBatches(x, shuffle)
+    return GeneratorBatches(x)
+
+
+def _as_array(leaf, number):
+    try:
+        array = np.asarray(leaf)
+    except Exception as error:  # the source's own types: anything may fail
+        raise InputSourceError(
+            f"Batch {number} of the input holds a {type(leaf).__name__} that cannot "
+            f"become a numpy array ({type(error).__name__}: {error}).") from error
+    if array.dtype.kind in "OSUV" or array.ndim == 0:
+        raise InputSourceError(
+            f"Batch {number} of the input holds a {type(leaf).__name__} that cannot "
+            f"become a numpy array of numbers with a batch dimension (got dtype "
+            f"{array.dtype}, shape {array.shape}). Yield x, (x, y) or (x, y, "
+            "sample_weight) of numpy arrays, or lists and dicts of them.")
+    return array
+
+
+def standardized(item, number):
+    """One batch as Keras unpacks it, `(x,)`, `(x, y)` or `(x, y, sample_weight)`,
+    with numpy leaves (tf tensors and other array-likes converted)."""
+    if isinstance(item, list):
+        item = tuple(item)
+    if not isinstance(item, tuple):
+        item = (item,)
+    if not 1 <= len(item) <= 3:
+        raise InputSourceError(
+            f"Batch {number} of the input is a tuple of {len(item)} elements; a batch is "
+            "x, (x,), (x, y) or (x, y, sample_weight).")
+    batch = keras.tree.map_structure(lambda leaf: _as_array(leaf, number), item)
+    if not keras.tree.flatten(batch):
+        raise InputSourceError(f"Batch {number} of the input holds no array: {item!r}.")
+    lengths = {a.shape[0] for a in keras.tree.flatten(batch)}
+    if len(lengths) > 1:
+        raise DataMismatchError(
+            f"In batch {number} of the input, x, y and sample_weight must have the same "
+            f"number of examples; got {sorted(lengths)}.")
+    return batch
+
+
+def _signature(batch):
+    return (keras.tree.map_structure(lambda _: None, batch),
+            [(a.shape[1:], a.dtype) for a in keras.tree.flatten(batch)])
+
+
+def one_step(batches, first_number):
+    """The batches of one step as the towers take them: as they are when they
+    have one shape; joined, as one tower, when only their numbers of examples
+    differ; a DataMismatchError when they cannot form one step."""
+    if all(_signature(b) == _signature(batches[0]) for b in batches[1:]):
+        sizes = {keras.tree.flatten(b)[0].shape[0] for b in batches}
+        if len(sizes) == 1:
+            return batches
+        return [keras.tree.map_structure(lambda *parts: np.concatenate(parts), *batches)]
+    raise DataMismatchError(
+        f"Batches {first_number} to {first_number + len(batches) - 1} of the input are "
+        "one step's (one per tower) but do not fit together: "
+        + "; ".join(f"batch {first_number + i}: {keras.tree.map_structure(np.shape, b)}, dtypes "
+                    f"{[str(a.dtype) for a in keras.tree.flatten(b)]}"
+                    for i, b in enumerate(batches))
+        + ". The towers of one step need the same structure, dtypes and shapes "
+        "(except the number of examples).")
+
+
+def numbered_steps(items, num_towers, first_number=0):
+    """Steps of up to `num_towers` consecutive items, each a list of
+    (batch number, item), taking no item before its step is asked for."""
+    items = iter(items)
+    for number in itertools.count(first_number, num_towers):
+        step = list(zip(itertools.count(number), itertools.islice(items, num_towers)))
+        if not step:
+            return
+        yield step
+
+
+def joined(step):
+    """A step of (number, item) pairs as the JAX towers take it (`one_step`)."""
+    return one_step([standardized(item, number) for number, item in step], step[0][0])
+
+
+def deal(items, num_towers, first_number=0):
+    """Steps of up to `num_towers` consecutive batches from `items`, taking
+    no item before its step runs; batches of one step that differ only in
+    their number of examples are joined (`one_step`)."""
+    return map(joined, numbered_steps(items, num_towers, first_number))
+
+
+class TowerDealer:
+    """Steps (an iterable, or a function giving one) dealt out to towers
+    that each read their own pipeline: `take(k)` is tower k's part of its
+    next step, `(batch number, item)`; `(None, None)` when that step is
+    short of tower k (a pass's last step); None once the steps end.
+
+    Towers may ask in any order (TensorFlow runs their pipelines side by
+    side); the steps are still read in order, one at a time, and tower k
+    of a step gets its k-th batch. Thread-safe.
+
+    Examples:
+        >>> from kerastower.inputs.python_sources import TowerDealer, numbered_steps
+        >>> dealer = TowerDealer(numbered_steps("abc", num_towers=2), num_towers=2)
+        >>> [dealer.take(1), dealer.take(0), dealer.take(0), dealer.take(1)]
+        [(1, 'b'), (0, 'a'), (2, 'c'), (None, None)]
+        >>> dealer.take(1) is None
+        True
+    """
+
+    def __init__(self, steps, num_towers):
+        # A callable is called when a tower first asks (a PyDataset's
+        # on_epoch_begin runs when its pass starts, not when it is planned).
+        self._steps = steps
+        self._queues = [collections.deque() for _ in range(num_towers)]
+        self._lock = threading.Lock()
+        self._ended = False
+
+    def take(self, tower):
+        with self._lock:
+            if callable(self._steps):
+                self._steps = iter(self._steps())
+            elif not isinstance(self._steps, collections.abc.Iterator):
+                self._steps = iter(self._steps)
+            queue = self._queues[tower]
+            while not queue and not self._ended:
+                step = next(self._steps, None)
+                self._ended = step is None
+                if step is not None:
+                    for index, batches in enumerate(self._queues):
+                        batches.append(step[index] if index < len(step) else (None, None))
+            return queue.popleft() if queue else None
+
+
+class _Batches:
+    """A source of ready-made batches, read in passes (see the module).
+
+    Subclasses give `_pass_items(pass_index, skip)`, one pass's items from
+    position `skip` on, and `raw_endless`."""
+
+    never_ends = False
+
+    def check_finite(self, method, argument=None):
+        """Raises when the source never ends and `method` was given no
+        number of steps (`argument`: the one to give)."""
+        if not self.never_ends:
+            return
+        argument = argument or ("steps_per_epoch" if method == "fit" else "steps=")
+        whole = "the first epoch" if argument == "steps_per_epoch" else "it"
+        raise InputSourceError(
+            f"The input ({self.kind}) never ends, and {method}() was not given "
+            f"{argument}, so {whole} would never end. Pass {argument}"
+            + (" (an epoch is then only the period at which callbacks run)."
+               if argument == "steps_per_epoch" else " (steps of one batch per tower)."))
+
+    def raw_pass(self, num_towers, pass_index=0, skip_steps=0):
+        """One pass's steps of (number, item) pairs, from step `skip_steps` on."""
+        skip = skip_steps * num_towers
+        return numbered_steps(self._pass_items(pass_index, skip), num_towers, first_number=skip)
+
+    def one_pass(self, num_towers, pass_index=0, skip_steps=0):
+        """One pass's steps, each a list of per-tower batches, from step `skip_steps` on."""
+        return map(joined, self.raw_pass(num_towers, pass_index, skip_steps))
+
+    def endless(self, num_towers, first_pass=0, skip_steps=0):
+        """Steps for fit with steps_per_epoch, pass after pass (a pass's
+        short last step runs on fewer towers), less the first `skip_steps`."""
+        return map(joined, self.raw_endless(num_towers, skip_steps))
+
+
+class GeneratorBatches(_Batches):
+    """A Python generator, iterator or iterable of batches.
+
+    An iterator (a generator) is one-shot: a pass goes on where the last one
+    stopped. Any other iterable (a `tf.data.Dataset`, a torch `DataLoader`)
+    is iterated afresh for every pass. Each item is `x`, `(x,)`, `(x, y)` or
+    `(x, y, sample_weight)`.
+
+    Examples:
+        >>> import itertools, numpy as np
+        >>> from kerastower.inputs.python_sources import GeneratorBatches
+        >>> GeneratorBatches(itertools.repeat(np.ones((2, 3)))).never_ends
+        True
+    """
+
+    def __init__(self, source):
+        self._source = source
+        self._one_shot = isinstance(source, collections.abc.Iterator)
+        self._pending = []  # what first_batches read from a one-shot source
+        self.kind = type(source).__name__
+        self.never_ends = isinstance(source, (itertools.count, itertools.cycle)) or (
+            isinstance(source, itertools.repeat) and operator.length_hint(source, -1) < 0
+        ) or self._cardinality() == -1
+
+    def _cardinality(self):
+        # A tf.data.Dataset's number of batches: -1 endless, -2 unknown.
+        cardinality = getattr(self._source, "cardinality", None)
+        return int(cardinality()) if callable(cardinality) else -2
+
+    def steps(self, num_towers):
+        """Steps in one pass, where the source has a length; else None."""
+        if self._one_shot:
+            return None
+        length = self._cardinality()
+        if length < 0 and self._cardinality() == -2 and hasattr(self._source, "__len__"):
+            length = len(self._source)
+        return None if length < 0 else -(-length // num_towers)
+
+    def _items(self):
+        if not self._one_shot:
+            return iter(self._source)
+        pending, self._pending = self._pending, []
+        # A chain, not the user's generator: closing it leaves theirs open.
+        return itertools.chain(pending, self._source)
+
+    def first_batches(self, count=1):
+        """Up to `count` first batches of the source (what the model is built
+        from), kept for the first pass when the source is one-shot."""
+        if self._one_shot:
+            if len(self._pending) < count:
+                self._pending += list(itertools.islice(self._source, count - len(self._pending)))
+            items = self._pending[:count]
+        else:
+            items = list(itertools.islice(iter(self._source), count))
+        if not items:
+            raise InputSourceError(f"The input ({self.kind}) is empty: it gave no batch.")
+        return [standardized(item, i) for i, item in enumerate(items)]
+
+    def first_batch(self):
+        """The source's first batch."""
+        return self.first_batches(1)[0]
+
+    def _pass_items(self, pass_index=0, skip=0):
+        # A pass: a one-shot source to its end, an iterable afresh; the
+        # first `skip` batches are read and dropped.
+        return itertools.islice(self._items(), skip, None)
+
+    def raw_endless(self, num_towers, skip_steps=0):
+        """A one-shot source once, to its end; an iterable pass after pass
+        (an empty pass ends it). The first `skip_steps` steps are read and dropped."""
+        if self._one_shot:
+            steps = numbered_steps(self._items(), num_towers)
+        else:
+            steps = self._passes(num_towers)
+        return itertools.islice(steps, skip_steps, None)
+
+    def _passes(self, num_towers):
+        while True:
+            any_step = False
+            for step in self.raw_pass(num_towers):
+                any_step = True
+                yield step
+            if not any_step:
+                return
+
+
+def read_ahead(read, indices, workers, window):
+    """`read(i)` for each of `indices`, in order, by `workers` threads that
+    keep up to `window` batches read ahead (as Keras reads a PyDataset).
+
+    Examples:
+        >>> list(read_ahead(lambda i: i * i, range(5), workers=2, window=3))
+        [0, 1, 4, 9, 16]
+    """
+    pending = collections.deque()
+    indices = iter(indices)
+    with concurrent.futures.ThreadPoolExecutor(workers, thread_name_prefix="kt-pydataset") as pool:
+        try:
+            for index in itertools.islice(indices, window):
+                pending.append(pool.submit(read, index))
+            while pending:
+                batch = pending.popleft().result()
+                for index in itertools.islice(indices, 1):
+                    pending.append(pool.submit(read, index))
+                yield batch
+        finally:  # the consumer stopped early: what is still queued is not read
+            for future in pending:
+                future.cancel()
+
+
+class PyDatasetBatches(_Batches):
+    """A `keras.utils.PyDataset`: tower k of step s takes batch `s * N + k` of
+    the pass; with `workers > 1`, that many threads read up to
+    `max_queue_size` batches ahead (`use_multiprocessing` too: in threads).
+
+    A pass is `len(ds)` batches, `ceil(len(ds) / N)` steps, between
+    `on_epoch_begin()` and `on_epoch_end()`. `shuffle` (fit's, as Keras)
+    permutes the batch indices every pass, replayably from numpy's seed.
+
+    Examples:
+        >>> import keras, numpy as np
+        >>> from kerastower.inputs.python_sources import PyDatasetBatches
+        >>> class Tens(keras.utils.PyDataset):
+        ...     def __len__(self):
+        ...         return 5
+        ...     def __getitem__(self, i):
+        ...         return np.full((2, 1), 10.0 * i), np.zeros(2)
+        >>> source = PyDatasetBatches(Tens())
+        >>> source.steps(num_towers=2)
+        3
+        >>> [[b[0][0, 0].item() for b in step] for step in source.one_pass(num_towers=2)]
+        [[0.0, 10.0], [20.0, 30.0], [40.0]]
+    """
+
+    def __init__(self, dataset, shuffle=False):
+        self._dataset = dataset
+        self.kind = type(dataset).__name__
+        self.length = dataset.num_batches
+        self.never_ends = self.length is None
+        self._shuffle = shuffle
+        self.shuffle_seed = int(np.random.randint(2**31 - 1)) if shuffle else None
+        self._first = []  # the first batches, once first_batches read them
+
+    def steps(self, num_towers):
+        """Steps in one pass, or None for a PyDataset without end."""
+        return None if self.never_ends else -(-self.length // num_towers)
+
+    def first_batches(self, count=1):
+        """Up to `count` first batches (what the model is built from), kept
+        for when a pass reads them."""
+        if self.length == 0:
+            raise InputSourceError(f"The input ({self.kind}) is empty: its length is 0.")
+        count = count if self.never_ends else min(count, self.length)
+        while len(self._first) < count:
+            self._first.append(self._dataset[len(self._first)])
+        return [standardized(batch, i) for i, batch in enumerate(self._first[:count])]
+
+    def first_batch(self):
+        """Batch 0."""
+        return self.first_batches(1)[0]
+
+    def _read(self, index):
+        if index < len(self._first):  # read to build the model: not read again
+            batch, self._first[index] = self._first[index], None
+            if not any(b is not None for b in self._first):
+                self._first = []
+            if batch is not None:
+                return batch
+        return self._dataset[index]
+
+    def _order(self, pass_index):
+        if self.never_ends:
+            return itertools.count()
+        if not self._shuffle:
+            return range(self.length)
+        return np.random.default_rng([self.shuffle_seed, pass_index]).permutation(self.length).tolist()
+
+    def _pass(self, pass_index, skip=0):
+        self._dataset.on_epoch_begin()
+        last = -1 if self.never_ends else self.length - 1
+        # Positions taken before a resume are not read again.
+        positions = itertools.islice(enumerate(self._order(pass_index)), skip, None)
+        workers = int(getattr(self._dataset, "workers", 1) or 1)
+        if workers > 1:
+            read = lambda item: (item[0], self._read(item[1]))  # noqa: E731
+            window = max(int(getattr(self._dataset, "max_queue_size", 10) or 10), workers)
+            positions = read_ahead(read, positions, workers, window)
+        else:
+            positions = ((position, self._read(index)) for position, index in positions)
+        for position, batch in positions:
+            if position == last:
+                self._dataset.on_epoch_end()
+            yield batch
+        if self.length == 0:
+            self._dataset.on_epoch_end()
+
+    def _pass_items(self, pass_index=0, skip=0):
+        # `on_epoch_begin()` before the pass's first batch is read,
+        # `on_epoch_end()` once its last one was.
+        return self._pass(pass_index, skip)
+
+    def raw_endless(self, num_towers, skip_steps=0):
+        """Pass after pass, less the first `skip_steps` steps (not read)."""
+        if self.length == 0:
+            return iter(())
+        first_pass = 0
+        if not self.never_ends:
+            first_pass, skip_steps = divmod(skip_steps, self.steps(num_towers))
+        return itertools.chain(
+            self.raw_pass(num_towers, first_pass, skip_steps),
+            itertools.chain.from_iterable(
+                self.raw_pass(num_towers, p) for p in itertools.count(first_pass + 1)))
