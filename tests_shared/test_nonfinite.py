@@ -90,3 +90,40 @@ def test_terminate_on_nan_at_an_epochs_first_step_logs_nan_not_zero():
                         callbacks=[keras.callbacks.TerminateOnNaN()])
     assert model.loop.global_step == 0
     assert len(history.history["loss"]) == 1 and np.isnan(history.history["loss"][0])
+
+
+class _Ends(keras.callbacks.Callback):
+    """Notes whether on_train_end ran."""
+
+    ended = False
+
+    def on_train_end(self, logs=None):
+        self.ended = True
+
+
+def test_terminate_on_nan_with_raise_error_raises_keras_error_with_the_last_finite_weights():
+    x, y, x_bad = _data()   # step 2 is not finite
+    model = _model()
+    start = [w.copy() for w in model.get_weights()]
+    ends = _Ends()
+    with pytest.raises(RuntimeError, match="NaN or Inf loss encountered at batch 1") as caught:
+        model.fit(x_bad, y, batch_size=4, shuffle=False, verbose=0,
+                  callbacks=[keras.callbacks.TerminateOnNaN(raise_error=True), ends])
+    assert isinstance(caught.value.__cause__, kt.NonFiniteError)
+    assert not ends.ended   # as Keras: raise_error bypasses the callbacks' on_train_end
+    assert model.loop.global_step == 1
+    reference = _model()
+    reference.set_weights(start)
+    reference.fit(x[:8], y[:8], batch_size=4, shuffle=False, verbose=0)
+    for got, want in zip(model.get_weights(), reference.get_weights()):
+        np.testing.assert_allclose(got, want, atol=1e-6)
+
+
+def test_terminate_on_nan_ends_fit_normally_as_keras_does():
+    x, y, x_bad = _data()
+    model = _model()
+    ends = _Ends()
+    history = model.fit(x_bad, y, batch_size=4, shuffle=False, epochs=3, verbose=0,
+                        callbacks=[keras.callbacks.TerminateOnNaN(), ends])
+    assert ends.ended and model.stop_training
+    assert model.loop.global_step == 1 and len(history.history["loss"]) == 1

@@ -44,10 +44,12 @@ class FitSteps(Iteration):
         self.logs = {}
         self._announced = False
         self.failure = None
-        self.terminate_on_nan = any(
-            isinstance(unwrapped(callback), keras.callbacks.TerminateOnNaN)
-            for callback in getattr(callbacks, "callbacks", callbacks or [])
-        )
+        terminate_on_nan = [
+            unwrapped(callback) for callback in getattr(callbacks, "callbacks", callbacks or [])
+            if isinstance(unwrapped(callback), keras.callbacks.TerminateOnNaN)]
+        self.terminate_on_nan = bool(terminate_on_nan)
+        # Keras 3.15's TerminateOnNaN(raise_error=True) raises instead.
+        self.nan_raises = any(getattr(c, "raise_error", False) for c in terminate_on_nan)
 
     def start(self, skip_batches, epoch_num):
         self.feed = self.model.engine.fit_feed(self.source, self.steps_per_epoch, self.steps_per_call)
@@ -79,6 +81,12 @@ class FitSteps(Iteration):
     def ended_early(self, loop, step):
         if self.failure is not None:
             error = nonfinite_error(*self.failure, self.model.num_towers)
+            if self.nan_raises:
+                # Keras's own error, at the batch whose update was not
+                # applied: the weights are the last finite step's.
+                raise RuntimeError(
+                    f"NaN or Inf loss encountered at batch {loop.local_step}. Loss value: "
+                    f"not finite ({error}). Terminating training immediately.") from error
             if not self.terminate_on_nan:
                 raise error
             # Keras's TerminateOnNaN asks for a normal end.

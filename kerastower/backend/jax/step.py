@@ -44,6 +44,7 @@ from kerastower.backend.jax.placement import local_value
 from kerastower.backend.jax.placement import place_tower_batches
 from kerastower.backend.jax.placement import spans_processes
 from kerastower.backend.jax.placement import tower_mesh
+from kerastower.backend.jax.step_values import StepValues
 from kerastower.errors import TowerRuleError
 from kerastower.tower import TowerContext
 
@@ -93,6 +94,7 @@ class TowerSteps:
         self.mesh = mesh
         self.num_towers = mesh.size
         self.check_finite = check_finite
+        self.step_values = StepValues(model)
         self._functions = {}
         self._tower_metrics = None
         self._summed_metrics = None  # their sum over the towers, replicated
@@ -199,8 +201,9 @@ class TowerSteps:
                                       functools.partial(self._train_steps_body, len(steps)))
         state = (*self._current_state(), self._metric_state())
         self._held = None  # donated to the step
-        (*held, metrics), self._summed_metrics, logs, finite = function(state, data)
+        (*held, metrics), self._summed_metrics, logs, finite, values = function(state, data)
         self._held, self._tower_metrics = tuple(held), metrics
+        logs = self.step_values.logs(logs, values)
         # Unchecked, nothing waits for the steps: the next call is
         # dispatched while they run.
         return logs, (finite if self.check_finite else None)
@@ -225,9 +228,9 @@ class TowerSteps:
         if mode not in self._functions:
             specs = {
                 "train": ((REPLICATED,) * 3 + (BY_TOWER, BY_TOWER),
-                          (REPLICATED,) * 3 + (BY_TOWER, BY_TOWER)),
+                          (REPLICATED,) * 3 + (BY_TOWER, BY_TOWER, REPLICATED)),
                 "train_steps": ((REPLICATED,) * 3 + (BY_TOWER, BY_TOWER),
-                                (REPLICATED,) * 3 + (BY_TOWER, BY_STEP_AND_TOWER)),
+                                (REPLICATED,) * 3 + (BY_TOWER, BY_STEP_AND_TOWER, REPLICATED)),
                 "test": ((REPLICATED,) * 2 + (BY_TOWER, BY_TOWER), BY_TOWER),
                 "predict": ((REPLICATED,) * 2 + (BY_TOWER,), BY_TOWER),
             }[mode.split(":")[0]]
@@ -246,8 +249,8 @@ class TowerSteps:
         if mode == "test":
             metrics = sharded(*state, data)
             return (metrics, *self._logs(metrics))
-        *new_state, finite = sharded(*state, data)
-        return (tuple(new_state), *self._logs(new_state[3]), self._on_every_tower(finite))
+        *new_state, finite, values = sharded(*state, data)
+        return (tuple(new_state), *self._logs(new_state[3]), self._on_every_tower(finite), values)
 
     def _on_every_tower(self, values):
         """`values`, gathered so that every device (every process) holds all."""
@@ -282,7 +285,9 @@ class TowerSteps:
         return ctx
 
     def _train_body(self, trainable, non_trainable, optimizer_vars, tower_metrics, data):
-        return self._train_step(trainable, non_trainable, optimizer_vars, tower_metrics, data)[:5]
+        *state, flags, _, values = self._train_step(
+            trainable, non_trainable, optimizer_vars, tower_metrics, data)
+        return (*state, flags, values)
 
     def _train_steps_body(self, num_steps, trainable, non_trainable, optimizer_vars, tower_metrics, data):
         """`num_steps` training steps in one `lax.scan`: this tower's batches
@@ -293,13 +298,13 @@ class TowerSteps:
 
         def step(carry, batch):
             *state, going = carry
-            *new, flags, finite = self._train_step(*state, batch, going)
-            return (*new, finite if self.check_finite else going), flags
+            *new, flags, finite, values = self._train_step(*state, batch, going)
+            return (*new, finite if self.check_finite else going), (flags, values)
 
         carry = (list(trainable), list(non_trainable), list(optimizer_vars), list(tower_metrics),
                  jnp.asarray(True))
-        (*state, _), flags = jax.lax.scan(step, carry, steps)
-        return (*state, flags)
+        (*state, _), (flags, values) = jax.lax.scan(step, carry, steps)
+        return (*state, flags, values[-1])   # the logs show the last step's values
 
     def _train_step(self, trainable, non_trainable, optimizer_vars, tower_metrics, data, going=True):
         """One step: (the new state, this tower's finite flag, whether the
@@ -314,21 +319,23 @@ class TowerSteps:
             non_trainable = jax_towers.seeded_apart(non_trainable, positions, index)
             with self._tower_context(index, True, examples), \
                     _gradients_taken(model.optimizer, step_name) as taken:
-                _, (_, non_trainable, _, metrics) = model.train_step(
+                logs, (_, non_trainable, _, metrics) = model.train_step(
                     (trainable, non_trainable, optimizer_vars, metrics), data)
+            values = self.step_values.local(logs, examples)
             if taken.gradients is None:
                 raise TowerRuleError(
                     f"{step_name} did not call self.optimizer.stateless_apply, so "
                     "there is no update to reduce over the towers. Call it once "
                     "with the gradients, as keras.Model.train_step does on JAX."
                 )
-            return taken.gradients, list(non_trainable), list(metrics)
+            return taken.gradients, list(non_trainable), list(metrics), values
 
         metrics = [m[0] for m in tower_metrics]
         # Each tower differentiates its own copy of the weights: the gradient
         # of replicated weights would come out summed over the towers.
-        gradients, non_trainable, metrics = self._switch(
+        gradients, non_trainable, metrics, values = self._switch(
             tower, jax_towers.per_tower(trainable, self.num_towers), non_trainable, optimizer_vars, metrics, data)
+        values = self.step_values.reduced(values, self.num_towers > 1)
         if self.num_towers > 1:
             tower_finite = jax_towers.all_finite(gradients)
             gradients = jax_towers.mean_over_towers(gradients)
@@ -354,7 +361,7 @@ class TowerSteps:
             # (BatchNormalization's) reach the variables or a checkpoint.
             non_trainable = [jnp.where(finite, n, o) for n, o in zip(non_trainable, old_non_trainable)]
             metrics = [jnp.where(finite, n, o) for n, o in zip(metrics, tower_metrics)]
-        return list(new_trainable), non_trainable, list(new_optimizer), metrics, flags[None], finite
+        return list(new_trainable), non_trainable, list(new_optimizer), metrics, flags[None], finite, values
 
     def _towers_to_blame(self, tower_finite, finite):
         """Each tower's flag: its own gradients' finiteness; every tower's

@@ -166,7 +166,9 @@ class TensorFlowEngine(StepEngine):
     def logs_of_every_tower(self, logs):
         if logs and not self.model.tower_strategy.single_process:
             # The steps gave this process's metrics; the result is all towers'.
-            return dict(tf_step.logs_across_towers(self.model))
+            # (Values the step returned were reduced over every tower already.)
+            across = tf_step.logs_across_towers(self.model)
+            return {key: across.get(key, value) for key, value in logs.items()}
         return dict(logs)
 
     def memory_peaks(self):

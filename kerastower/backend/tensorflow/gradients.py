@@ -119,6 +119,8 @@ def apply_in_tower(optimizer, keras_apply, gradients, variables=None):
         )
     variables = list(_compat.optimizer_variables(optimizer) if variables is None else variables)
     gradients = list(gradients)
+    if not gradients and not variables:
+        return  # as Keras: nothing to update (a model without trainable weights)
     if len(gradients) != len(variables):
         raise ValueError(
             f"optimizer.apply got {len(gradients)} gradients for {len(variables)} variables."
@@ -128,8 +130,9 @@ def apply_in_tower(optimizer, keras_apply, gradients, variables=None):
     pairs = [(g, v) for g, v in zip(reduced, variables) if g is not None]
     if not pairs:
         raise ValueError(
-            "No gradient reached any variable the optimizer updates: does the loss "
-            f"depend on them? Variables: {[v.path for v in variables]}"
+            "No gradients provided for any variable (Keras's error): no gradient "
+            "reached any variable the optimizer updates. Does the loss depend on "
+            f"them? Variables: {[v.path for v in variables]}"
         )
     reduced, variables = [g for g, _ in pairs], [v for _, v in pairs]
     with _compat.gradients_already_reduced():

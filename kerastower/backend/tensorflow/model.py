@@ -6,6 +6,8 @@ once per tower per step under a `TowerContext` on that tower's own batch
 (the step function that calls them: step.py). Override them as in Keras.
 """
 
+import warnings
+
 import tensorflow as tf
 
 from kerastower import _compat
@@ -81,6 +83,8 @@ class TowerModelBackend:
         x, y, sample_weight = _compat.unpack_x_y_sample_weight(data)
         num_examples = tf_step.num_examples(data)
         variables = self.trainable_weights
+        if not variables:
+            warnings.warn("The model does not have any trainable weights.")  # as Keras
 
         @xla.compiled_in(self)
         def forward_backward():

@@ -20,7 +20,6 @@ One step of N towers:
 import collections
 import contextlib
 import functools
-import warnings
 import weakref
 
 import numpy as np
@@ -31,6 +30,7 @@ from kerastower.backend.tensorflow import collectives
 from kerastower.backend.tensorflow import gradients
 from kerastower.backend.tensorflow import nonfinite
 from kerastower.backend.tensorflow import xla
+from kerastower.backend.tensorflow.step_values import StepValues
 from kerastower.backend.tensorflow import step_errors
 from kerastower.errors import PeerFailureError
 from kerastower.tower import TowerContext
@@ -167,28 +167,19 @@ def seed_towers_apart(model):
 
 # -- step functions --------------------------------------------------------------
 
-def _run_unless_empty(test_step, data, examples):
-    """`test_step(data)` unless the batch is empty (an empty batch would add
-    zero losses with a count of one to Keras's per-output loss trackers)."""
-    outputs = []
+def _run_unless_empty(test_step, data, examples, values):
+    """`test_step(data)`'s values (`StepValues.local`) unless the batch is
+    empty (an empty batch would add zero losses with a count of one to
+    Keras's per-output loss trackers)."""
+    found = []
 
     def run():
-        outputs.append(test_step(data))
-        return tf.constant(True)
+        local = values.local(test_step(data), examples)
+        found.append(local is not None)
+        return values.idle() if local is None else local
 
-    tf.cond(examples > 0, run, lambda: tf.constant(False))
-    return outputs[0] if outputs else None
-
-
-def _warn_unlogged_outputs(outputs, metric_keys, step_name):
-    if isinstance(outputs, dict):
-        extra = sorted(set(outputs) - metric_keys)
-        if extra:
-            warnings.warn(
-                f"kerastower: {step_name} returned {extra}, which are not metrics "
-                "of the model; logs show the model's metrics only. Track such "
-                "values with a keras.metrics.Mean listed in the model's `metrics`."
-            )
+    local = tf.cond(examples > 0, run, values.idle)
+    return local if found and found[0] else None
 
 
 def make_step_function(model, tower_step, mode):
@@ -212,22 +203,26 @@ def make_step_function(model, tower_step, mode):
         if mode != "predict" else set()
     )
 
+    values = StepValues(metric_keys, step_name)
+
     def tower_fn(data, equal_batches):
         index = strategy.tower_index()
         name = f"predict_tower{index}" if mode == "predict" else None
         examples = num_examples(data)
+        local = None
         with tower_scope(model, is_training, step_name, name=name,
                          examples=examples if is_training else None,
                          equal_batches=equal_batches) as ctx:
             if mode == "test" and ctx.total > 1:
-                outputs = _run_unless_empty(tower_step, data, examples)
+                local = _run_unless_empty(tower_step, data, examples, values)
             else:
                 outputs = tower_step(data)
+                if mode != "predict":
+                    local = values.local(outputs, examples)
         if mode != "predict":
-            _warn_unlogged_outputs(outputs, metric_keys, step_name)
-            # The logs are the metrics read across towers, not these outputs
-            # (which an idle tower does not have).
-            outputs = None
+            # The logs are the metrics read across towers and the values the
+            # step returned, reduced over the towers (step_values.py).
+            outputs = None if local is None else values.reduced(local, strategy)
         return outputs, examples, nonfinite.tower_health(ctx), getattr(ctx, "reduced_counts", None)
 
     def run_towers(data):
@@ -249,13 +244,18 @@ def make_step_function(model, tower_step, mode):
         tower_batches = tf.zeros([strategy.num_towers], tf.int32)
         finite = tf.constant(True)
         bad_towers = tf.zeros([strategy.num_towers], tf.int32)
+        step_values = tf.zeros([0], tf.float32)   # the last step's returned values
         # An optional tells "no data left for any tower" (stop) from a last
         # step where only some towers got a batch (run it).
         for _ in tf.range(num_steps):
+            tf.autograph.experimental.set_loop_options(
+                shape_invariants=[(step_values, tf.TensorShape([None]))])
             has_data, next_batches = strategy.next_step(iterator, endless)
             if not has_data:
                 break
-            _, tower_examples, per_tower = run_towers(next_batches())
+            reduced, tower_examples, per_tower = run_towers(next_batches())
+            if reduced is not None:
+                step_values = strategy.tower_values(reduced)[0]
             examples += tf.reduce_sum(tower_examples)
             tower_batches += tf.cast(tower_examples > 0, tf.int32)
             steps += 1
@@ -270,6 +270,7 @@ def make_step_function(model, tower_step, mode):
         with collectives.phase("logs"):
             logs = (strategy.metrics_result(model) if strategy.single_process
                     else strategy.local_metrics_result(model))
+        logs = values.logs(logs, step_values)
         # One vector, read back in one transfer.
         counters = tf.concat([
             tf.stack([steps, examples, tf.cast(finite, tf.int32)]),

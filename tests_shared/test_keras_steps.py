@@ -1,0 +1,110 @@
+"""What Keras's fit does with a model's step, kerastower does on both
+backends: a model without trainable weights trains on with Keras's warning,
+and values a custom step returns reach the logs."""
+
+import warnings
+
+import keras
+import numpy as np
+
+from shared_helpers import tower_devices
+
+import kerastower as kt
+
+
+def _data(n=32, seed=0):
+    rng = np.random.default_rng(seed)
+    return rng.normal(size=(n, 4)).astype("float32"), rng.normal(size=(n, 2)).astype("float32")
+
+
+def _frozen(make_model):
+    keras.utils.set_random_seed(3)
+    inputs = keras.Input((4,))
+    model = make_model(inputs, keras.layers.Dense(2, trainable=False)(inputs))
+    model.compile(optimizer="adam", loss="mse", metrics=["mae"])
+    return model
+
+
+def _fit_warned(model, x, y, batch_size):
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        history = model.fit(x, y, batch_size=batch_size, epochs=2, shuffle=False, verbose=0)
+    return history.history, [str(w.message) for w in caught]
+
+
+def test_a_model_without_trainable_weights_trains_on_with_keras_warning():
+    x, y = _data()
+    stock = _frozen(keras.Model)
+    want, stock_warnings = _fit_warned(stock, x, y, 16)
+    for towers, batch_size in ((1, 16), (2, 8)):
+        with kt.distributed("mirrored", devices=tower_devices(towers)):
+            model = _frozen(kt.TowerModel)
+        start = model.get_weights()
+        got, tower_warnings = _fit_warned(model, x, y, batch_size)
+        # Keras warns on TensorFlow (not on JAX, whose step has no such check).
+        warning = "The model does not have any trainable weights."
+        assert (warning in tower_warnings) == (warning in stock_warnings)
+        assert int(model.optimizer.iterations.numpy()) == int(stock.optimizer.iterations.numpy()) == 0
+        assert model.loop.global_step == 4
+        for a, b in zip(model.get_weights(), start):
+            np.testing.assert_array_equal(a, b)
+        assert sorted(got) == sorted(want)
+        for key in want:
+            np.testing.assert_allclose(got[key], want[key], atol=1e-5, err_msg=f"{towers}: {key}")
+
+
+def _returning_values(base):
+    """keras.io's pattern (WGAN-GP's `{"d_loss": ..., "g_loss": ...}`): a
+    train_step that returns values it computed, not metrics."""
+    from shared_helpers import BACKEND
+
+    class Model(base):
+        if BACKEND == "tensorflow":
+            def train_step(self, data):
+                import tensorflow as tf
+
+                x, y = data
+                with tf.GradientTape() as tape:
+                    predicted = self(x, training=True)
+                    loss = keras.ops.mean((predicted - y) ** 2)
+                gradients = tape.gradient(loss, self.trainable_variables)
+                self.optimizer.apply(gradients, self.trainable_variables)
+                return {"my_loss": loss, "mean_output": keras.ops.mean(predicted)}
+        else:
+            def train_step(self, state, data):
+                import jax
+
+                trainable, non_trainable, optimizer_vars, metrics = state
+                x, y = data
+
+                def loss_fn(trainable):
+                    predicted, updated = self.stateless_call(trainable, non_trainable, x, training=True)
+                    return keras.ops.mean((predicted - y) ** 2), (predicted, updated)
+
+                (loss, (predicted, non_trainable)), grads = jax.value_and_grad(
+                    loss_fn, has_aux=True)(trainable)
+                trainable, optimizer_vars = self.optimizer.stateless_apply(optimizer_vars, grads, trainable)
+                logs = {"my_loss": loss, "mean_output": keras.ops.mean(predicted)}
+                return logs, (trainable, non_trainable, optimizer_vars, metrics)
+
+    keras.utils.set_random_seed(4)
+    inputs = keras.Input((4,))
+    model = Model(inputs, keras.layers.Dense(2)(keras.layers.Dense(6, activation="tanh")(inputs)))
+    model.compile(optimizer=keras.optimizers.SGD(0.1))
+    return model
+
+
+def test_values_a_custom_train_step_returns_are_logged_as_keras_logs_them():
+    x, y = _data(48)
+    want = _returning_values(keras.Model).fit(
+        x, y, batch_size=16, epochs=3, shuffle=False, verbose=0).history
+    assert sorted(want) == ["mean_output", "my_loss"]
+    for towers in (1, 2, 4):
+        with kt.distributed("mirrored", devices=tower_devices(towers)):
+            model = _returning_values(kt.TowerModel)
+        got = model.fit(x, y, batch_size=16 // towers, epochs=3, shuffle=False, verbose=0).history
+        # No key nothing computed (no "loss" of 0.0 from the unused tracker).
+        assert sorted(got) == sorted(want), towers
+        # The mean over the towers' equal shares is the joined batch's mean.
+        for key in want:
+            np.testing.assert_allclose(got[key], want[key], atol=1e-5, err_msg=f"{towers}: {key}")
