@@ -396,3 +396,17 @@ def test_a_resumed_run_equals_an_uninterrupted_one(tmp_path, kind, stop_at):
     # Resumed without the input position, the batches would differ: the test can fail.
     shorter = _train_resumable(str(tmp_path / "c"), kind, epochs=2)
     assert any(not np.array_equal(a, b) for a, b in zip(whole.get_weights(), shorter.get_weights()))
+
+
+def test_a_tf_data_dataset_is_read_as_keras_reads_it_on_each_backend():
+    """On TensorFlow a pipeline; on JAX an iterable of numpy batches (as Keras
+    reads it there), iterated afresh every pass."""
+    x, y, _ = _arrays(6 * B, seed=8)
+    dataset = tf.data.Dataset.from_tensor_slices((x, y)).batch(B)
+    one, many = _dense(1), _dense(2)
+    many.set_weights(one.get_weights())
+    one.fit(x, y, batch_size=2 * B, epochs=2, shuffle=False, verbose=0)
+    many.fit(dataset, epochs=2, verbose=0)
+    assert many.loop.global_step == 6
+    for a, b in zip(one.get_weights(), many.get_weights()):
+        np.testing.assert_allclose(b, a, atol=1e-5)

@@ -1,26 +1,18 @@
-"""Values a tower step returns that are not metrics, as Keras logs them.
+"""The values a TensorFlow tower step returns, reduced over the towers.
 
-keras.io's WGAN-GP returns `{"d_loss": d_loss, "g_loss": g_loss}` from its
-`train_step`: values, not metrics. Keras logs what the step returns; so
-does kerastower, reduced over the towers the way one device on the joined
-batch would see a per-batch mean: the example-weighted mean of the towers'
-values (`sum_k v_k * n_k / sum_k n_k`, a tower without examples weighted 0).
-A step that returns only such values logs only them (the compiled loss
-tracker, which nothing updated, does not appear). A value that is not a
-scalar cannot be reduced that way and is left out, with a warning.
-
-The reduction is one all-reduce inside the towers, so it also spans the
-processes of Horovod and multiworker runs.
+Which values are logged, and how, is backend/step_values.py's; here they
+are reduced with one all-reduce inside the towers, so the reduction also
+spans the processes of Horovod and multiworker runs.
 """
 
-import warnings
-
 import tensorflow as tf
+
+from kerastower.backend import step_values
 
 __all__ = ["StepValues"]
 
 
-class StepValues:
+class StepValues(step_values.StepValues):
     """The non-metric values of one step function's tower step.
 
     Args:
@@ -29,30 +21,17 @@ class StepValues:
     """
 
     def __init__(self, metric_keys, step_name):
+        super().__init__(step_name)
         self.metric_keys = metric_keys
-        self.step_name = step_name
-        self.keys = []            # the scalar values' keys, in order, once traced
-        self.metrics_returned = True
 
     def local(self, outputs, examples):
         """Inside a tower: this tower's values times its examples, then its
         examples (a float32 vector); None when the step returns no value."""
-        if not isinstance(outputs, dict):
-            return None
-        extra = sorted(set(outputs) - self.metric_keys)
-        self.metrics_returned = len(extra) < len(outputs)
-        scalars = [k for k in extra if tf.convert_to_tensor(outputs[k]).shape.rank == 0]
-        others = [k for k in extra if k not in scalars]
-        if others:
-            warnings.warn(
-                f"kerastower: {self.step_name} returned {others}, which are neither metrics "
-                "nor scalars: they cannot be averaged over the towers and are not logged. "
-                "Return scalars, or track such values with a keras.metrics.Metric.")
-        self.keys = scalars
-        if not scalars:
+        if not self.pick(outputs, self.metric_keys):
             return None
         count = tf.cast(examples, tf.float32)
-        weighted = [tf.where(count > 0, tf.cast(outputs[k], tf.float32) * count, 0.0) for k in scalars]
+        weighted = [tf.where(count > 0, tf.cast(outputs[k], tf.float32) * count, 0.0)
+                    for k in self.keys]
         return tf.stack(weighted + [count])
 
     def idle(self):
@@ -65,13 +44,7 @@ class StepValues:
         return tf.math.divide_no_nan(summed[:-1], summed[-1])
 
     def logs(self, logs, values):
-        """The step function's logs: the metrics (unless the step returned
-        only values) and the values of the last step (`values`, a vector,
-        empty when no step ran: then NaN)."""
+        """As the base's; `values` is empty when no step ran: then NaN."""
         if not self.keys:
             return logs
-        logs = dict(logs) if self.metrics_returned else {}
-        padded = tf.concat([values, tf.fill([len(self.keys)], float("nan"))], axis=0)
-        for index, key in enumerate(self.keys):
-            logs[key] = padded[index]
-        return logs
+        return super().logs(logs, tf.concat([values, tf.fill([len(self.keys)], float("nan"))], 0))
