@@ -87,6 +87,18 @@ def _returning_values(base):
                 logs = {"my_loss": loss, "mean_output": keras.ops.mean(predicted)}
                 return logs, (trainable, non_trainable, optimizer_vars, metrics)
 
+        if BACKEND == "tensorflow":
+            def test_step(self, data):
+                x, y = data
+                predicted = self(x, training=False)
+                return {"my_loss": keras.ops.mean((predicted - y) ** 2)}
+        else:
+            def test_step(self, state, data):
+                trainable, non_trainable, metrics = state
+                x, y = data
+                predicted, _ = self.stateless_call(trainable, non_trainable, x, training=False)
+                return {"my_loss": keras.ops.mean((predicted - y) ** 2)}, state
+
     keras.utils.set_random_seed(4)
     inputs = keras.Input((4,))
     model = Model(inputs, keras.layers.Dense(2)(keras.layers.Dense(6, activation="tanh")(inputs)))
@@ -96,8 +108,9 @@ def _returning_values(base):
 
 def test_values_a_custom_train_step_returns_are_logged_as_keras_logs_them():
     x, y = _data(48)
-    want = _returning_values(keras.Model).fit(
-        x, y, batch_size=16, epochs=3, shuffle=False, verbose=0).history
+    stock = _returning_values(keras.Model)
+    want = stock.fit(x, y, batch_size=16, epochs=3, shuffle=False, verbose=0).history
+    want_evaluated = stock.evaluate(x, y, batch_size=16, return_dict=True, verbose=0)
     assert sorted(want) == ["mean_output", "my_loss"]
     for towers in (1, 2, 4):
         with kt.distributed("mirrored", devices=tower_devices(towers)):
@@ -108,3 +121,7 @@ def test_values_a_custom_train_step_returns_are_logged_as_keras_logs_them():
         # The mean over the towers' equal shares is the joined batch's mean.
         for key in want:
             np.testing.assert_allclose(got[key], want[key], atol=1e-5, err_msg=f"{towers}: {key}")
+        # evaluate logs the last step's values, as Keras logs the last batch's.
+        evaluated = model.evaluate(x, y, batch_size=16 // towers, return_dict=True, verbose=0)
+        assert sorted(evaluated) == ["my_loss"], towers
+        np.testing.assert_allclose(evaluated["my_loss"], want_evaluated["my_loss"], atol=1e-5)

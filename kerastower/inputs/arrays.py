@@ -1,7 +1,9 @@
 """numpy arrays as an InputSource: per-tower batches, reshuffled every pass.
 
 What `fit(x, y, batch_size=...)` trains on: `as_input_source` (sources.py)
-makes one from arrays, with `batch_size` examples per tower.
+makes one from arrays, with `batch_size` examples per tower. As Keras's
+array adapter on TensorFlow, it also takes `tf.RaggedTensor`s and
+`tf.SparseTensor`s, whose rows are gathered as a dense array's are.
 """
 
 import numpy as np
@@ -24,6 +26,31 @@ def _lists_to_tuples(structure):
     return structure
 
 
+def _length(array):
+    if isinstance(array, tf.SparseTensor):
+        return int(array.dense_shape[0])
+    if isinstance(array, tf.RaggedTensor):
+        return int(array.nrows())
+    return int(np.shape(array)[0])
+
+
+def gather_rows(array, rows):
+    """Rows `rows` (distinct) of a tensor, a RaggedTensor or a SparseTensor."""
+    if not isinstance(array, tf.SparseTensor):
+        return tf.gather(array, rows)
+    # A SparseTensor has no gather: each kept entry's row is renumbered by
+    # its position in `rows`.
+    rows = tf.cast(rows, tf.int64)
+    length = array.dense_shape[0]
+    position = tf.scatter_nd(rows[:, None], tf.range(tf.size(rows, tf.int64)), [length])
+    wanted = tf.scatter_nd(rows[:, None], tf.ones_like(rows, tf.bool), [length])
+    keep = tf.gather(wanted, array.indices[:, 0])
+    indices = tf.boolean_mask(array.indices, keep)
+    indices = tf.concat([tf.gather(position, indices[:, :1]), indices[:, 1:]], axis=1)
+    dense_shape = tf.concat([[tf.size(rows, tf.int64)], array.dense_shape[1:]], axis=0)
+    return tf.sparse.reorder(tf.SparseTensor(indices, tf.boolean_mask(array.values, keep), dense_shape))
+
+
 class ArrayInput(DatasetInput):
     """numpy arrays cut into per-tower batches, reshuffled every pass.
 
@@ -40,7 +67,7 @@ class ArrayInput(DatasetInput):
             )
         x, y, sample_weight = (_lists_to_tuples(a) for a in (x, y, sample_weight))
         element = tuple(a for a in (x, y, sample_weight) if a is not None)
-        lengths = {int(np.shape(a)[0]) for a in tf.nest.flatten(element)}
+        lengths = {_length(a) for a in tf.nest.flatten(element)}
         if len(lengths) != 1:
             raise InputSourceError(
                 "x, y and sample_weight must have the same number of examples; "
@@ -93,7 +120,7 @@ class ArrayInput(DatasetInput):
     def _gathered(self, indices):
         arrays = tf.data.Dataset.from_tensors(self._element).repeat()
         return tf.data.Dataset.zip((indices, arrays)).map(
-            lambda batch, element: tf.nest.map_structure(lambda a: tf.gather(a, batch), element),
+            lambda batch, element: tf.nest.map_structure(lambda a: gather_rows(a, batch), element),
             num_parallel_calls=tf.data.AUTOTUNE, deterministic=True,
         ).prefetch(tf.data.AUTOTUNE)
 

@@ -333,7 +333,7 @@ class DummyConstantInput(InputSource):
 
 
 def _is_array(value):
-    return isinstance(value, (np.ndarray, tf.Tensor)) or (
+    return isinstance(value, (np.ndarray, tf.Tensor, tf.RaggedTensor, tf.SparseTensor)) or (
         isinstance(value, (list, tuple, dict))
         and value
         and all(_is_array(v) for v in tf.nest.flatten(value))

@@ -94,7 +94,8 @@ class TowerSteps:
         self.mesh = mesh
         self.num_towers = mesh.size
         self.check_finite = check_finite
-        self.step_values = StepValues(model)
+        self.step_values = StepValues(model, "train_step")
+        self.test_values = StepValues(model, "test_step")
         self._functions = {}
         self._tower_metrics = None
         self._summed_metrics = None  # their sum over the towers, replicated
@@ -213,10 +214,10 @@ class TowerSteps:
         model = self.model
         state = (*self._current_state()[:2], self._metric_state())
         function = self._function("test", self._test_body)
-        metrics, self._summed_metrics, logs = function(state, self.place(batches))
+        metrics, self._summed_metrics, logs, values = function(state, self.place(batches))
         self._tower_metrics = metrics
         self._write_back(model.metrics_variables, self._summed_metrics)
-        return logs
+        return self.test_values.logs(logs, values)
 
     def predict(self, batches):
         """The towers' outputs on one batch each, joined in tower order."""
@@ -231,7 +232,7 @@ class TowerSteps:
                           (REPLICATED,) * 3 + (BY_TOWER, BY_TOWER, REPLICATED)),
                 "train_steps": ((REPLICATED,) * 3 + (BY_TOWER, BY_TOWER),
                                 (REPLICATED,) * 3 + (BY_TOWER, BY_STEP_AND_TOWER, REPLICATED)),
-                "test": ((REPLICATED,) * 2 + (BY_TOWER, BY_TOWER), BY_TOWER),
+                "test": ((REPLICATED,) * 2 + (BY_TOWER, BY_TOWER), (BY_TOWER, REPLICATED)),
                 "predict": ((REPLICATED,) * 2 + (BY_TOWER,), BY_TOWER),
             }[mode.split(":")[0]]
             sharded = (body if self.num_towers == 1 else
@@ -247,8 +248,8 @@ class TowerSteps:
             # Every process returns every tower's outputs, in tower order.
             return self._on_every_tower(outputs) if self._spans else outputs
         if mode == "test":
-            metrics = sharded(*state, data)
-            return (metrics, *self._logs(metrics))
+            metrics, values = sharded(*state, data)
+            return (metrics, *self._logs(metrics), values)
         *new_state, finite, values = sharded(*state, data)
         return (tuple(new_state), *self._logs(new_state[3]), self._on_every_tower(finite), values)
 
@@ -374,11 +375,11 @@ class TowerSteps:
 
         def tower(index, trainable, non_trainable, metrics, data):
             with self._tower_context(index, False):
-                _, (_, _, metrics) = model.test_step((trainable, non_trainable, metrics), data)
-            return list(metrics)
+                logs, (_, _, metrics) = model.test_step((trainable, non_trainable, metrics), data)
+            return list(metrics), self.test_values.local(logs, jax.tree.leaves(data)[0].shape[0])
 
-        metrics = self._switch(tower, trainable, non_trainable, [m[0] for m in tower_metrics], data)
-        return [m[None] for m in metrics]
+        metrics, values = self._switch(tower, trainable, non_trainable, [m[0] for m in tower_metrics], data)
+        return [m[None] for m in metrics], self.test_values.reduced(values, self.num_towers > 1)
 
     def _predict_body(self, trainable, non_trainable, data):
         model = self.model

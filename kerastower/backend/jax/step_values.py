@@ -14,10 +14,10 @@ __all__ = ["StepValues"]
 
 
 class StepValues(step_values.StepValues):
-    """The non-metric values of one model's train step."""
+    """The non-metric values of one of a model's steps (`step`: its name)."""
 
-    def __init__(self, model):
-        super().__init__(f"{type(model).__name__}.train_step")
+    def __init__(self, model, step="train_step"):
+        super().__init__(f"{type(model).__name__}.{step}")
         self.model = model
 
     def local(self, logs, examples):
