@@ -154,11 +154,14 @@ class InputSource:
 
     def steps(self, total):
         """Steps in one pass over the data with `total` towers, or None."""
+        if self.per_tower:
+            # A pass lasts while any tower has a batch.
+            lengths = [int(self.tower_dataset(TowerInputContext(i, total)).cardinality())
+                       for i in range(total)]
+            return None if min(lengths) < 0 else max(lengths)
         cardinality = int(self.tower_dataset(TowerInputContext(0, total)).cardinality())
         if cardinality < 0:
             return None
-        if self.per_tower:
-            return cardinality
         return -(-cardinality // total)
 
 

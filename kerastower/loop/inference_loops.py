@@ -24,8 +24,10 @@ def evaluate_loop(model, source, steps, callbacks):
     callbacks.on_test_begin()
     model.reset_metrics()
     logs, step = {}, 0
-    while not steps or step < steps:
-        want = model.steps_per_execution if not steps else min(model.steps_per_execution, steps - step)
+    # A source of known length ends after its last step, as in Keras.
+    limit = steps or source.steps(model.num_towers)
+    while not limit or step < limit:
+        want = model.steps_per_execution if not limit else min(model.steps_per_execution, limit - step)
         callbacks.on_test_batch_begin(step)
         run = engine.test_steps(iterator, want, step)
         if run.done:
@@ -52,7 +54,8 @@ def predict_loop(model, source, steps, callbacks):
     model.stop_predicting = False
     callbacks.on_predict_begin()
     batches, step = [], 0
-    while not steps or step < steps:
+    limit = steps or source.steps(model.num_towers)
+    while not limit or step < limit:
         callbacks.on_predict_batch_begin(step)
         outputs = engine.predict_step(iterator, step)
         if outputs is None:

@@ -332,10 +332,13 @@ class MainLoop:
         loop.epoch_ended = False
         iteration.before_epoch(loop)
         callbacks.on_epoch_begin(epoch_num - 1)
-        while steps_per_epoch is None or step < steps_per_epoch:
+        # A pass of known length ends after its last step, as in Keras: no
+        # on_train_batch_begin for a step that the input cannot give.
+        limit = steps_per_epoch or loop.steps_per_epoch
+        while limit is None or step < limit:
             want = iteration.steps_per_call
-            if steps_per_epoch:
-                want = min(want, steps_per_epoch - step)
+            if limit:
+                want = min(want, limit - step)
             callbacks.on_train_batch_begin(step)
             ran, logs = iteration.run(want)
             if ran:
