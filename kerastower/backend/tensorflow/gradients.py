@@ -8,7 +8,8 @@ calls `apply_in_tower`, which:
 1. weights the tower's gradients by its share of the step's examples,
    `n_i / sum_j n_j` (when the counts are not known in advance, each tower
    adds `n_i * g_i` and `n_i` in the same all-reduce and divides after);
-2. sums them over towers in one all-reduce (sparse gradients stay sparse);
+2. sums them over towers in one all-reduce (sparse gradients stay sparse,
+   each index then summed into one slice: `_duplicates_summed`);
 3. checks the sums for NaN/Inf and lets the optimizer clip and apply them,
    on every tower alike: the update of one device on the joined batch.
 """
@@ -134,7 +135,8 @@ def apply_in_tower(optimizer, keras_apply, gradients, variables=None):
             "reached any variable the optimizer updates. Does the loss depend on "
             f"them? Variables: {[v.path for v in variables]}"
         )
-    reduced, variables = [g for g, _ in pairs], [v for _, v in pairs]
+    reduced = [_duplicates_summed(g) for g, _ in pairs]
+    variables = [v for _, v in pairs]
     with _compat.gradients_already_reduced():
         if isinstance(optimizer, keras.optimizers.LossScaleOptimizer) or not ctx.check_finite:
             # It skips a non-finite step itself and lowers its scale (or the
@@ -143,6 +145,29 @@ def apply_in_tower(optimizer, keras_apply, gradients, variables=None):
         finite = nonfinite.all_finite(reduced)
         nonfinite.record(ctx, finite, weighted)
         _compat.apply_if(finite, lambda grads: keras_apply(optimizer, grads, variables), reduced)
+
+
+# Whether sparse gradients reach the optimizer with each index once (the
+# benchmark of their cost turns it off; nothing else should).
+SUM_DUPLICATES = True
+
+
+def _duplicates_summed(gradient):
+    """A sparse gradient with each index once, its slices summed.
+
+    The towers' slices of one variable, joined by the reduction, hold an
+    index once per tower where one device's gradient holds it once (a
+    position embedding looked up with `ops.arange`); Keras's Adam, RMSprop,
+    Adagrad... square the slices before they sum duplicates, so the sum
+    over towers would be squared in parts. Summed here, on every strategy
+    (one tower too), the update is the one of the joined gradient. Dense
+    gradients pass as they are.
+    """
+    if not SUM_DUPLICATES or not isinstance(gradient, tf.IndexedSlices):
+        return gradient
+    indices, positions = tf.unique(gradient.indices)
+    values = tf.math.unsorted_segment_sum(gradient.values, positions, tf.shape(indices)[0])
+    return tf.IndexedSlices(values, indices, gradient.dense_shape)
 
 
 # Entered by every TensorFlow tower (step.tower_scope), left when it ends.
