@@ -528,10 +528,6 @@ def test_tensorboard_custom_summary_from_a_layer(tmp_path):
 
 
 @TF_ONLY
-@pytest.mark.xfail(strict=True, reason=(
-    "kerastower divergence: a custom summary's tag carries the tower step's control-flow "
-    "scopes: 'while/cond_2/net_1/summ_1/custom_mean' on 1 tower (2 towers: "
-    "'while/cond_2/cond/net_1/...') where stock Keras writes 'net_1/summ_1/custom_mean'"))
 def test_tensorboard_custom_summary_tag_is_stock_keras_own(tmp_path):
     want = _stock("custom summary", lambda folder: _custom_summaries(None, folder))
     got = _custom_summaries(1, str(tmp_path / "one"))

@@ -167,6 +167,12 @@ def seed_towers_apart(model):
 
 # -- step functions --------------------------------------------------------------
 
+def _top_level_names():
+    """The tower step's names (and a `tf.summary`'s tags) as in Keras's own
+    step, without the step loop's `while/` and `cond/` scopes."""
+    return tf.compat.v1.get_default_graph().name_scope("")
+
+
 def _run_unless_empty(test_step, data, examples, values):
     """`test_step(data)`'s values (`StepValues.local`) unless the batch is
     empty (an empty batch would add zero losses with a count of one to
@@ -174,7 +180,9 @@ def _run_unless_empty(test_step, data, examples, values):
     found = []
 
     def run():
-        local = values.local(test_step(data), examples)
+        with _top_level_names():
+            outputs = test_step(data)
+        local = values.local(outputs, examples)
         found.append(local is not None)
         return values.idle() if local is None else local
 
@@ -216,7 +224,8 @@ def make_step_function(model, tower_step, mode):
             if mode == "test" and ctx.total > 1:
                 local = _run_unless_empty(tower_step, data, examples, values)
             else:
-                outputs = tower_step(data)
+                with _top_level_names():
+                    outputs = tower_step(data)
                 if mode != "predict":
                     local = values.local(outputs, examples)
         if mode != "predict":
