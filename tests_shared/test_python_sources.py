@@ -410,3 +410,36 @@ def test_a_tf_data_dataset_is_read_as_keras_reads_it_on_each_backend():
     assert many.loop.global_step == 6
     for a, b in zip(one.get_weights(), many.get_weights()):
         np.testing.assert_allclose(b, a, atol=1e-5)
+
+
+class _PidBatches(Batches):
+    """Batches that note, in a file, the process that read each."""
+
+    def __init__(self, batches, folder, **kwargs):
+        super().__init__(batches, **kwargs)
+        self.folder = folder
+
+    def __getitem__(self, index):
+        import os
+
+        with open(os.path.join(self.folder, f"{index}-{os.getpid()}"), "w"):
+            pass
+        return self.batches[index]
+
+
+def test_a_pydataset_with_use_multiprocessing_is_read_by_worker_processes(tmp_path):
+    import os
+
+    sizes = [B] * 7 + [3]
+    batches = _cut(_arrays(sum(sizes))[:2], sizes)
+    trained = []
+    for source in (_PidBatches(batches, str(tmp_path), workers=2, use_multiprocessing=True,
+                               max_queue_size=3),
+                   Batches(batches)):
+        model = _dense(2)
+        model.fit(source, epochs=2, shuffle=True, verbose=0)
+        trained.append(model.get_weights())
+    readers = {name.split("-")[1] for name in os.listdir(tmp_path)}
+    assert readers - {str(os.getpid())}, "worker processes read the batches"
+    for got, want in zip(*trained):
+        np.testing.assert_array_equal(got, want)

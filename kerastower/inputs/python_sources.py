@@ -33,6 +33,7 @@ import collections
 import collections.abc
 import concurrent.futures
 import itertools
+import multiprocessing
 import operator
 import threading
 
@@ -329,9 +330,11 @@ class GeneratorBatches(_Batches):
                 return
 
 
-def read_ahead(read, indices, workers, window):
-    """`read(i)` for each of `indices`, in order, by `workers` threads that
-    keep up to `window` batches read ahead (as Keras reads a PyDataset).
+def read_ahead(read, indices, workers, window, processes_of=None):
+    """`read(i)` for each of `indices`, in order, by `workers` threads (or,
+    with `processes_of` a PyDataset, forked processes, each holding that
+    dataset, where `read` must be picklable) that keep up to `window`
+    batches read ahead, as Keras reads a PyDataset.
 
     Examples:
         >>> list(read_ahead(lambda i: i * i, range(5), workers=2, window=3))
@@ -339,7 +342,15 @@ def read_ahead(read, indices, workers, window):
     """
     pending = collections.deque()
     indices = iter(indices)
-    with concurrent.futures.ThreadPoolExecutor(workers, thread_name_prefix="kt-pydataset") as pool:
+    if processes_of is not None:
+        # Forked, as Keras forks its PyDataset workers: the dataset is
+        # inherited, not pickled (`_read_in_worker` reads it).
+        pool = concurrent.futures.ProcessPoolExecutor(
+            workers, mp_context=multiprocessing.get_context("fork"),
+            initializer=_hold_in_worker, initargs=(processes_of,))
+    else:
+        pool = concurrent.futures.ThreadPoolExecutor(workers, thread_name_prefix="kt-pydataset")
+    with pool:
         try:
             for index in itertools.islice(indices, window):
                 pending.append(pool.submit(read, index))
@@ -353,10 +364,24 @@ def read_ahead(read, indices, workers, window):
                 future.cancel()
 
 
+# In a worker process: the PyDataset it reads.
+_WORKER_DATASET = None
+
+
+def _hold_in_worker(dataset):
+    global _WORKER_DATASET
+    _WORKER_DATASET = dataset
+
+
+def _read_in_worker(index):
+    return _WORKER_DATASET[index]
+
+
 class PyDatasetBatches(_Batches):
     """A `keras.utils.PyDataset`: tower k of step s takes batch `s * N + k` of
-    the pass; with `workers > 1`, that many threads read up to
-    `max_queue_size` batches ahead (`use_multiprocessing` too: in threads).
+    the pass; with `workers > 1`, that many threads (processes, with
+    `use_multiprocessing`, forked as Keras forks them) read up to
+    `max_queue_size` batches ahead.
 
     A pass is `len(ds)` batches, `ceil(len(ds) / N)` steps, between
     `on_epoch_begin()` and `on_epoch_end()`. `shuffle` (fit's, as Keras)
@@ -426,9 +451,15 @@ class PyDatasetBatches(_Batches):
         # Positions taken before a resume are not read again.
         positions = itertools.islice(enumerate(self._order(pass_index)), skip, None)
         workers = int(getattr(self._dataset, "workers", 1) or 1)
-        if workers > 1:
+        window = max(int(getattr(self._dataset, "max_queue_size", 10) or 10), workers)
+        if workers > 1 and getattr(self._dataset, "use_multiprocessing", False):
+            self._first = []
+            positions, indices = itertools.tee(positions)
+            batches = read_ahead(_read_in_worker, (i for _, i in indices), workers, window,
+                                 processes_of=self._dataset)
+            positions = zip((p for p, _ in positions), batches)
+        elif workers > 1:
             read = lambda item: (item[0], self._read(item[1]))  # noqa: E731
-            window = max(int(getattr(self._dataset, "max_queue_size", 10) or 10), workers)
             positions = read_ahead(read, positions, workers, window)
         else:
             positions = ((position, self._read(index)) for position, index in positions)
