@@ -49,3 +49,19 @@ def two_towers():
     keras.utils.set_random_seed(1234)
     with kt.distributed("mirrored", devices=tower_devices(2)) as strategy:
         yield strategy
+
+
+class Stop(Exception):
+    """What StopAt raises: a crash at a chosen step."""
+
+
+class StopAt(keras.callbacks.Callback):
+    """Crashes training once the loop's global step reaches `step`."""
+
+    def __init__(self, step):
+        super().__init__()
+        self.step = step
+
+    def on_train_batch_end(self, batch, logs=None):
+        if self.model.loop.global_step >= self.step:
+            raise Stop(self.step)

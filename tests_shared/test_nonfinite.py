@@ -28,6 +28,16 @@ def _data():
     return x, y, x_bad
 
 
+def _assert_weights_after_the_good_step(model, start, x, y):
+    """`model` holds the weights of `start` trained on the first, finite step only."""
+    reference = _model()
+    reference.set_weights(start)
+    reference.fit(x[:8], y[:8], batch_size=4, shuffle=False, verbose=0)
+    for got, want in zip(model.get_weights(), reference.get_weights()):
+        np.testing.assert_allclose(got, want, atol=1e-6)
+        assert np.isfinite(got).all()
+
+
 def test_a_nonfinite_step_stops_training_with_the_weights_of_the_step_before():
     x, y, x_bad = _data()
     model = _model()
@@ -36,12 +46,7 @@ def test_a_nonfinite_step_stops_training_with_the_weights_of_the_step_before():
         model.fit(x_bad, y, batch_size=4, shuffle=False, verbose=0)
     assert caught.value.global_step == 2 and caught.value.towers == [1]
     assert model.loop.global_step == 1
-    reference = _model()
-    reference.set_weights(start)
-    reference.fit(x[:8], y[:8], batch_size=4, shuffle=False, verbose=0)
-    for got, want in zip(model.get_weights(), reference.get_weights()):
-        np.testing.assert_allclose(got, want, atol=1e-6)
-        assert np.isfinite(got).all()
+    _assert_weights_after_the_good_step(model, start, x, y)
 
 
 def test_check_finite_false_applies_the_step():
@@ -112,11 +117,7 @@ def test_terminate_on_nan_with_raise_error_raises_keras_error_with_the_last_fini
     assert isinstance(caught.value.__cause__, kt.NonFiniteError)
     assert not ends.ended   # as Keras: raise_error bypasses the callbacks' on_train_end
     assert model.loop.global_step == 1
-    reference = _model()
-    reference.set_weights(start)
-    reference.fit(x[:8], y[:8], batch_size=4, shuffle=False, verbose=0)
-    for got, want in zip(model.get_weights(), reference.get_weights()):
-        np.testing.assert_allclose(got, want, atol=1e-6)
+    _assert_weights_after_the_good_step(model, start, x, y)
 
 
 def test_terminate_on_nan_ends_fit_normally_as_keras_does():

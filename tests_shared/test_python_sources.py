@@ -17,6 +17,8 @@ import pytest
 import tensorflow as tf
 
 from shared_helpers import BACKEND
+from shared_helpers import Stop
+from shared_helpers import StopAt
 from shared_helpers import tower_devices
 
 import kerastower as kt
@@ -345,20 +347,6 @@ def test_a_pydataset_with_workers_is_read_ahead_by_threads_in_order():
         np.testing.assert_array_equal(got, want)
 
 
-class _Stop(Exception):
-    """A crash at a chosen step."""
-
-
-class _StopAt(keras.callbacks.Callback):
-    def __init__(self, step):
-        super().__init__()
-        self.step = step
-
-    def on_train_batch_end(self, batch, logs=None):
-        if self.model.loop.global_step == self.step:
-            raise _Stop(self.step)
-
-
 def _resumable(kind):
     """(the source, fit's keyword arguments) of each resumable Python source kind."""
     batches = _cut(_arrays(7 * B, seed=11)[:2], [B] * 7)
@@ -386,8 +374,8 @@ def _train_resumable(folder, kind, extra=(), epochs=None):
 @pytest.mark.parametrize("kind, stop_at", [("pydataset", 7), ("iterable", 8), ("generator", 7)])
 def test_a_resumed_run_equals_an_uninterrupted_one(tmp_path, kind, stop_at):
     whole = _train_resumable(str(tmp_path / "a"), kind)
-    with pytest.raises(_Stop):
-        _train_resumable(str(tmp_path / "b"), kind, [_StopAt(stop_at)])
+    with pytest.raises(Stop):
+        _train_resumable(str(tmp_path / "b"), kind, [StopAt(stop_at)])
     assert kt.checkpoint.latest_checkpoint(str(tmp_path / "b")).endswith("ckpt-00000006")
     resumed = _train_resumable(str(tmp_path / "b"), kind)
     assert int(resumed.optimizer.iterations.numpy()) == int(whole.optimizer.iterations.numpy())
