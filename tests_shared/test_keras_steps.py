@@ -125,3 +125,56 @@ def test_values_a_custom_train_step_returns_are_logged_as_keras_logs_them():
         evaluated = model.evaluate(x, y, batch_size=16 // towers, return_dict=True, verbose=0)
         assert sorted(evaluated) == ["my_loss"], towers
         np.testing.assert_allclose(evaluated["my_loss"], want_evaluated["my_loss"], atol=1e-5)
+
+
+def _recording(base, seen):
+    """An autoencoder whose train_step notes how its data is packed."""
+    from shared_helpers import BACKEND
+
+    def note(data):
+        seen.append(type(data).__name__ if not isinstance(data, tuple)
+                    else f"tuple of {len(data)}")
+
+    class AutoEncoder(base):
+        if BACKEND == "tensorflow":
+            def train_step(self, data):
+                note(data)
+                return super().train_step(data)
+        else:
+            def train_step(self, state, data):
+                note(data)
+                return super().train_step(state, data)
+
+        def compute_loss(self, x=None, y=None, y_pred=None, sample_weight=None, training=True):
+            return keras.ops.mean((y_pred - x) ** 2)
+
+    keras.utils.set_random_seed(2)
+    inputs = keras.Input((4,))
+    model = AutoEncoder(inputs, keras.layers.Dense(4)(inputs))
+    model.compile(optimizer=keras.optimizers.SGD(0.1))
+    return model
+
+
+def test_the_step_gets_x_alone_without_y_as_keras_packs_it():
+    """keras.io's VAE calls its encoder on `data`: fit(x) must hand over x,
+    not (x,) (issue 31, item 3)."""
+    x, _ = _data()
+
+    def batches():
+        for start in range(0, 32, 8):
+            yield x[start:start + 8]
+
+    stock_seen, tower_seen = [], []
+    stock = _recording(keras.Model, stock_seen)
+    want = stock.fit(x, batch_size=8, shuffle=False, verbose=0).history["loss"]
+    for towers, batch_size in ((1, 8), (2, 4)):
+        with kt.distributed("mirrored", devices=tower_devices(towers)):
+            model = _recording(kt.TowerModel, tower_seen)
+        got = model.fit(x, batch_size=batch_size, shuffle=False, verbose=0).history["loss"]
+        np.testing.assert_allclose(got, want, atol=1e-5)
+        tower_seen.clear()
+        with kt.distributed("mirrored", devices=tower_devices(towers)):
+            model = _recording(kt.TowerModel, tower_seen)
+        model.fit(batches(), verbose=0)
+        assert tower_seen and set(tower_seen) <= set(stock_seen), (towers, tower_seen, stock_seen)
+    assert "tuple of 1" not in stock_seen

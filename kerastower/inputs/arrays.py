@@ -26,6 +26,19 @@ def _lists_to_tuples(structure):
     return structure
 
 
+def packed(x, y=None, sample_weight=None):
+    """One example's structure as Keras packs it for the step: `x` alone
+    when there is no `y` (a tuple `x` wrapped, `(x,)`, so it reads as
+    inputs, not as x and y), else `(x, y)` or `(x, y, sample_weight)`.
+
+    >>> packed("x"), packed(("a", "b")), packed("x", "y")
+    ('x', (('a', 'b'),), ('x', 'y'))
+    """
+    if y is None and sample_weight is None:
+        return (x,) if isinstance(x, tuple) else x
+    return tuple(a for a in (x, y, sample_weight) if a is not None)
+
+
 def _length(array):
     if isinstance(array, tf.SparseTensor):
         return int(array.dense_shape[0])
@@ -66,7 +79,7 @@ class ArrayInput(DatasetInput):
                 "weight. Pass y, or put the weights into the loss yourself."
             )
         x, y, sample_weight = (_lists_to_tuples(a) for a in (x, y, sample_weight))
-        element = tuple(a for a in (x, y, sample_weight) if a is not None)
+        element = packed(x, y, sample_weight)
         lengths = {_length(a) for a in tf.nest.flatten(element)}
         if len(lengths) != 1:
             raise InputSourceError(

@@ -43,7 +43,12 @@ class ArrayBatches:
                 "sample_weight was given without y; kerastower needs targets to "
                 "weight. Pass y, or put the weights into the loss yourself."
             )
-        self._element = tuple(a for a in (x, y, sample_weight) if a is not None)
+        # As Keras packs it: x alone without y (a list of inputs as a tuple).
+        if y is None and sample_weight is None:
+            x = tuple(x) if isinstance(x, list) else x
+            self._element = (x,) if isinstance(x, tuple) else x
+        else:
+            self._element = tuple(a for a in (x, y, sample_weight) if a is not None)
         leaves = keras.tree.flatten(self._element)
         if not leaves or not all(hasattr(a, "shape") and np.ndim(a) >= 1 for a in leaves):
             raise InputSourceError(

@@ -25,7 +25,7 @@ Examples:
     >>> from kerastower.inputs.python_sources import GeneratorBatches
     >>> batches = (np.full((2, 1), i, "float32") for i in range(5))
     >>> steps = GeneratorBatches(batches).one_pass(num_towers=2)
-    >>> [[b[0][0, 0].item() for b in step] for step in steps]
+    >>> [[b[0, 0].item() for b in step] for step in steps]
     [[0.0, 1.0], [2.0, 3.0], [4.0]]
 """
 
@@ -97,11 +97,13 @@ def _as_array(leaf, number):
 
 
 def standardized(item, number):
-    """One batch as Keras unpacks it, `(x,)`, `(x, y)` or `(x, y, sample_weight)`,
-    with numpy leaves (tf tensors and other array-likes converted)."""
+    """One batch as Keras hands it to the step: `x` (as the source gave it),
+    `(x,)`, `(x, y)` or `(x, y, sample_weight)`, with numpy leaves (tf
+    tensors and other array-likes converted)."""
     if isinstance(item, list):
         item = tuple(item)
-    if not isinstance(item, tuple):
+    bare = not isinstance(item, tuple)
+    if bare:
         item = (item,)
     if not 1 <= len(item) <= 3:
         raise InputSourceError(
@@ -115,7 +117,8 @@ def standardized(item, number):
         raise DataMismatchError(
             f"In batch {number} of the input, x, y and sample_weight must have the same "
             f"number of examples; got {sorted(lengths)}.")
-    return batch
+    # A bare x stays bare, as Keras hands it to the step.
+    return batch[0] if bare else batch
 
 
 def _signature(batch):
