@@ -169,8 +169,12 @@ def seed_towers_apart(model):
 
 def _top_level_names():
     """The tower step's names (and a `tf.summary`'s tags) as in Keras's own
-    step, without the step loop's `while/` and `cond/` scopes."""
-    return tf.compat.v1.get_default_graph().name_scope("")
+    step, without the step loop's `while/` and `cond/` scopes. A tower's
+    own `replica_<k>/` scope stays: TensorFlow's errors name the tower by it
+    (step_errors.py)."""
+    graph = tf.compat.v1.get_default_graph()
+    tower = [part for part in graph.get_name_scope().split("/") if part.startswith("replica_")]
+    return graph.name_scope("/".join(tower) + "/" if tower else "")
 
 
 def _run_unless_empty(test_step, data, examples, values):
