@@ -130,10 +130,11 @@ def test_fit_makes_each_step_function_call_a_hooked_run(two_towers):
     model.compile(optimizer="sgd", loss="mse", steps_per_execution=2)
     x = np.ones((48, 2), "float32")
     model.fit(x, x[:, :1], batch_size=4, epochs=1, verbose=0, callbacks=[Runs()])
-    # 48 examples / (2 towers x 4) = 6 steps, run 2 per call; one pass over
-    # data ends with a call that finds no data left and runs no step. As
-    # under kt.Trainer, global_step counts the steps finished before the run.
-    assert runs == [r for step in (0, 2, 4, 6) for r in (("before", step), ("after", step, ["loss"]))]
+    # 48 examples / (2 towers x 4) = 6 steps, run 2 per call; a pass of known
+    # length ends after its last step, with no call left to find no data (as
+    # Keras). As under kt.Trainer, global_step counts the steps finished
+    # before the run.
+    assert runs == [r for step in (0, 2, 4) for r in (("before", step), ("after", step, ["loss"]))]
 
 
 def test_training_continues_from_its_global_step_and_starting_epoch():
