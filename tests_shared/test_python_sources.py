@@ -22,6 +22,7 @@ from shared_helpers import StopAt
 from shared_helpers import tower_devices
 
 import kerastower as kt
+from kerastower.inputs import dealing
 from kerastower.inputs import python_sources
 
 B = 8
@@ -316,7 +317,7 @@ def test_validation_data_from_a_generator_with_arrays_to_train():
 
 
 def test_the_module_docstrings_run():
-    modules = [python_sources]
+    modules = [dealing, python_sources]
     if BACKEND == "tensorflow":
         from kerastower.inputs import python_input
 

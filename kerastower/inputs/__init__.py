@@ -5,6 +5,9 @@ is split. `sources.py` holds the InputSources of the TensorFlow path
 (`kt.DatasetInput`, `kt.GeneratorInput`, ...) and turns arrays, datasets and
 generators into one; `arrays.py` deals numpy arrays out per tower;
 `jax_sources.py` and `jax_arrays.py` do the same for the JAX path.
+Generators and PyDatasets, on both backends: `dealing.py` decides which
+batch each tower takes, `python_sources.py` reads the source in passes, and
+`python_input.py` (TensorFlow) feeds it to tf.data.
 """
 
 from kerastower.inputs.sources import DatasetInput

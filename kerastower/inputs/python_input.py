@@ -32,8 +32,8 @@ from kerastower._tf import tf
 from kerastower.backend.tensorflow import step_errors
 from kerastower.errors import DataMismatchError
 from kerastower.inputs import python_feed
-from kerastower.inputs.python_sources import TowerDealer
-from kerastower.inputs.python_sources import standardized
+from kerastower.inputs.dealing import TowerDealer
+from kerastower.inputs.dealing import standardized
 from kerastower.inputs.sources import InputSource
 
 __all__ = ["PythonSourceInput"]

@@ -1,0 +1,164 @@
+"""Which batch each tower takes: tower k of step s takes batch `s * N + k`.
+
+Holds the dealing of a source's batches to N towers, the same on every
+backend: `numbered_steps` cuts the batches into steps of N, `deal` and
+`joined` make each step the towers' batches (`one_step`: joined, as one
+tower, when only their numbers of examples differ), `TowerDealer` hands
+each tower its part when every tower reads a pipeline of its own, and
+`standardized` makes one batch what Keras hands the step. Nothing is taken
+before its step is asked for. How a source is read (in passes, resumed,
+read ahead) is `python_sources.py`'s.
+
+This module imports neither TensorFlow nor JAX.
+
+Examples:
+    >>> import numpy as np
+    >>> from kerastower.inputs.dealing import deal
+    >>> steps = deal((np.full((2, 1), i, "float32") for i in range(5)), num_towers=2)
+    >>> [[b[0, 0].item() for b in step] for step in steps]
+    [[0.0, 1.0], [2.0, 3.0], [4.0]]
+"""
+
+import collections
+import collections.abc
+import itertools
+import threading
+
+import keras
+import numpy as np
+
+from kerastower.errors import DataMismatchError
+from kerastower.errors import InputSourceError
+
+__all__ = ["standardized", "one_step", "numbered_steps", "joined", "deal", "TowerDealer"]
+
+
+def _as_array(leaf, number):
+    try:
+        array = np.asarray(leaf)
+    except Exception as error:  # the source's own types: anything may fail
+        raise InputSourceError(
+            f"Batch {number} of the input holds a {type(leaf).__name__} that cannot "
+            f"become a numpy array ({type(error).__name__}: {error}).") from error
+    if array.dtype.kind in "OSUV" or array.ndim == 0:
+        raise InputSourceError(
+            f"Batch {number} of the input holds a {type(leaf).__name__} that cannot "
+            f"become a numpy array of numbers with a batch dimension (got dtype "
+            f"{array.dtype}, shape {array.shape}). Yield x, (x, y) or (x, y, "
+            "sample_weight) of numpy arrays, or lists and dicts of them.")
+    return array
+
+
+def standardized(item, number):
+    """One batch as Keras hands it to the step: `x` (as the source gave it),
+    `(x,)`, `(x, y)` or `(x, y, sample_weight)`, with numpy leaves (tf
+    tensors and other array-likes converted)."""
+    if isinstance(item, list):
+        item = tuple(item)
+    bare = not isinstance(item, tuple)
+    if bare:
+        item = (item,)
+    if not 1 <= len(item) <= 3:
+        raise InputSourceError(
+            f"Batch {number} of the input is a tuple of {len(item)} elements; a batch is "
+            "x, (x,), (x, y) or (x, y, sample_weight).")
+    batch = keras.tree.map_structure(lambda leaf: _as_array(leaf, number), item)
+    if not keras.tree.flatten(batch):
+        raise InputSourceError(f"Batch {number} of the input holds no array: {item!r}.")
+    lengths = {a.shape[0] for a in keras.tree.flatten(batch)}
+    if len(lengths) > 1:
+        raise DataMismatchError(
+            f"In batch {number} of the input, x, y and sample_weight must have the same "
+            f"number of examples; got {sorted(lengths)}.")
+    # A bare x stays bare, as Keras hands it to the step.
+    return batch[0] if bare else batch
+
+
+def _signature(batch):
+    return (keras.tree.map_structure(lambda _: None, batch),
+            [(a.shape[1:], a.dtype) for a in keras.tree.flatten(batch)])
+
+
+def one_step(batches, first_number):
+    """The batches of one step as the towers take them: as they are when they
+    have one shape; joined, as one tower, when only their numbers of examples
+    differ; a DataMismatchError when they cannot form one step."""
+    if all(_signature(b) == _signature(batches[0]) for b in batches[1:]):
+        sizes = {keras.tree.flatten(b)[0].shape[0] for b in batches}
+        if len(sizes) == 1:
+            return batches
+        return [keras.tree.map_structure(lambda *parts: np.concatenate(parts), *batches)]
+    raise DataMismatchError(
+        f"Batches {first_number} to {first_number + len(batches) - 1} of the input are "
+        "one step's (one per tower) but do not fit together: "
+        + "; ".join(f"batch {first_number + i}: {keras.tree.map_structure(np.shape, b)}, dtypes "
+                    f"{[str(a.dtype) for a in keras.tree.flatten(b)]}"
+                    for i, b in enumerate(batches))
+        + ". The towers of one step need the same structure, dtypes and shapes "
+        "(except the number of examples).")
+
+
+def numbered_steps(items, num_towers, first_number=0):
+    """Steps of up to `num_towers` consecutive items, each a list of
+    (batch number, item), taking no item before its step is asked for."""
+    items = iter(items)
+    for number in itertools.count(first_number, num_towers):
+        step = list(zip(itertools.count(number), itertools.islice(items, num_towers)))
+        if not step:
+            return
+        yield step
+
+
+def joined(step):
+    """A step of (number, item) pairs as the JAX towers take it (`one_step`)."""
+    return one_step([standardized(item, number) for number, item in step], step[0][0])
+
+
+def deal(items, num_towers, first_number=0):
+    """Steps of up to `num_towers` consecutive batches from `items`, taking
+    no item before its step runs; batches of one step that differ only in
+    their number of examples are joined (`one_step`)."""
+    return map(joined, numbered_steps(items, num_towers, first_number))
+
+
+class TowerDealer:
+    """Steps (an iterable, or a function giving one) dealt out to towers
+    that each read their own pipeline: `take(k)` is tower k's part of its
+    next step, `(batch number, item)`; `(None, None)` when that step is
+    short of tower k (a pass's last step); None once the steps end.
+
+    Towers may ask in any order (TensorFlow runs their pipelines side by
+    side); the steps are still read in order, one at a time, and tower k
+    of a step gets its k-th batch. Thread-safe.
+
+    Examples:
+        >>> from kerastower.inputs.dealing import TowerDealer, numbered_steps
+        >>> dealer = TowerDealer(numbered_steps("abc", num_towers=2), num_towers=2)
+        >>> [dealer.take(1), dealer.take(0), dealer.take(0), dealer.take(1)]
+        [(1, 'b'), (0, 'a'), (2, 'c'), (None, None)]
+        >>> dealer.take(1) is None
+        True
+    """
+
+    def __init__(self, steps, num_towers):
+        # A callable is called when a tower first asks (a PyDataset's
+        # on_epoch_begin runs when its pass starts, not when it is planned).
+        self._steps = steps
+        self._queues = [collections.deque() for _ in range(num_towers)]
+        self._lock = threading.Lock()
+        self._ended = False
+
+    def take(self, tower):
+        with self._lock:
+            if callable(self._steps):
+                self._steps = iter(self._steps())
+            elif not isinstance(self._steps, collections.abc.Iterator):
+                self._steps = iter(self._steps)
+            queue = self._queues[tower]
+            while not queue and not self._ended:
+                step = next(self._steps, None)
+                self._ended = step is None
+                if step is not None:
+                    for index, batches in enumerate(self._queues):
+                        batches.append(step[index] if index < len(step) else (None, None))
+            return queue.popleft() if queue else None
