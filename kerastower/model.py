@@ -37,6 +37,7 @@ from kerastower.loop.main_loop import LoopState
 from kerastower.loop.main_loop import MainLoop
 from kerastower.loop.main_loop import check_strategy
 from kerastower.loop.main_loop import training_callbacks
+from kerastower.loop.run import TrainingRun
 from kerastower.strategies import switch as strategies
 
 __all__ = ["TowerModel"]
@@ -96,7 +97,8 @@ class TowerModel(backend.tower_steps(), keras.Model):
             )
         super().__init__(*args, **kwargs)
         self._tower_strategy = strategies.current_strategy()
-        self.loop = LoopState()
+        self._fit_loop = LoopState()
+        self.training_run = None
         self.engine = backend.make_engine(self)
 
     @classmethod
@@ -120,6 +122,18 @@ class TowerModel(backend.tower_steps(), keras.Model):
     @property
     def num_towers(self):
         return self._tower_strategy.num_towers
+
+    @property
+    def loop(self):
+        """The `kt.LoopState` of the run that trains this model now, else fit's.
+
+        Under `fit` it is the model's own counters, which go on across
+        calls; while a `kt.Trainer` trains the model, the trainer's. The
+        training run (`self.training_run`, a `kerastower.loop.run.TrainingRun`)
+        owns it; the model only points at the run that trains it.
+        """
+        run = self.training_run
+        return self._fit_loop if run is None else run.state
 
     def compile(self, *args, jit_compile="auto", check_finite=True, **kwargs):
         """As `keras.Model.compile`; `jit_compile` compiles each tower's work
@@ -205,15 +219,17 @@ class TowerModel(backend.tower_steps(), keras.Model):
             }
         self.engine.build_for(source, step="train")
         epoch_length = steps_per_epoch or source.steps(self.num_towers)
-        callbacks = training_callbacks(self, callbacks, verbose, logdir, epochs, epoch_length)
-        if self.loop.global_step == 0 and self.optimizer is not None:
-            # A model trained or loaded by Keras before goes on counting.
-            self.loop.global_step = int(self.optimizer.iterations.numpy())
-        steps = FitSteps(self, source, callbacks, steps_per_epoch, validation, verbose)
-        with self.engine.running():
-            MainLoop(self, self.loop, callbacks, "fit").run(
-                steps, initial_epoch + 1, epochs, steps_per_epoch, epoch_length=epoch_length
-            )
+        run = TrainingRun(self, self._fit_loop, "fit")
+        with run.training():
+            run.callbacks = callbacks = training_callbacks(
+                self, run.state, callbacks, verbose, logdir, epochs, epoch_length)
+            if run.state.global_step == 0 and self.optimizer is not None:
+                # A model trained or loaded by Keras before goes on counting.
+                run.state.global_step = int(self.optimizer.iterations.numpy())
+            steps = FitSteps(self, source, callbacks, steps_per_epoch, validation, verbose)
+            with self.engine.running():
+                MainLoop(run).run(steps, initial_epoch + 1, epochs, steps_per_epoch,
+                                  epoch_length=epoch_length)
         return self.history
 
     def evaluate(

@@ -215,7 +215,7 @@ def test_a_wrapped_monitor_counts_as_present_and_a_wrapped_auto_resume_restores(
         model = kt.TowerModel(inputs, keras.layers.Dense(1)(inputs))
         model.compile(optimizer="sgd", loss="mse")
     wrapped = kt.callbacks.PeriodicTrigger(kt.callbacks.JSONWriter(str(tmp_path)), every_k_epochs=2)
-    made = training_callbacks(model, [wrapped], 0, str(tmp_path), 1, 1).callbacks
+    made = training_callbacks(model, model.loop, [wrapped], 0, str(tmp_path), 1, 1).callbacks
     writers = [cb for cb in made if isinstance(unwrapped(cb), kt.callbacks.JSONWriter)]
     assert writers == [wrapped]
 

@@ -115,3 +115,28 @@ def test_two_writers_of_one_folder_keep_a_file_each(tmp_path):
     assert len(files) == 2, files
     for name in files:
         assert [s for s, _ in _scalars(str(tmp_path / "train" / name))["epoch_loss"]] == [0]
+
+
+def test_per_step_monitors_read_the_runs_counters_without_syncing_the_weights(tmp_path):
+    """The progress bar, TensorBoard and ThroughputTracker read the loop's
+    counters from the training run. They read them through `self.model`
+    before, and Keras's `Callback.model` on JAX first writes the towers'
+    weights into the model's variables: one sync per callback per step."""
+    syncs = []
+
+    class CountingSyncs(kt.TowerModel):
+        def jax_state_sync(self):
+            syncs.append(1)
+            super().jax_state_sync()
+
+    with kt.distributed("mirrored", devices=jax.devices()[:2]):
+        inputs = keras.Input((3,))
+        model = CountingSyncs(inputs, keras.layers.Dense(1)(inputs))
+        model.compile(optimizer="sgd", loss="mse")
+    x, y = np.ones((128, 3), "float32"), np.ones((128, 1), "float32")
+    steps, epochs = 16, 2
+    callbacks = [kt.callbacks.ThroughputTracker(), kt.callbacks.TensorBoard(str(tmp_path))]
+    model.fit(x, y, batch_size=4, epochs=epochs, verbose=1, callbacks=callbacks)
+    assert model.loop.global_step == steps * epochs
+    # What is left is per epoch (its end's sync, the learning rate read).
+    assert len(syncs) <= 5 * epochs, len(syncs)

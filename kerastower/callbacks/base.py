@@ -41,10 +41,33 @@ class SayEpoch(kt.callbacks.Callback):
 
 import keras
 
-__all__ = ["Callback", "RunHooks", "unwrapped"]
+__all__ = ["Callback", "RunAware", "RunHooks", "unwrapped"]
 
 
-class Callback(keras.callbacks.Callback):
+class RunAware:
+    """A callback the training loop hands its run to, when the run begins.
+
+    kerastower's callbacks, those built on Keras's too (its TensorBoard and
+    progress bar), read the loop's counters from `training_run` (a
+    `kerastower.loop.run.TrainingRun`), not through `self.model`: on JAX,
+    Keras's `Callback.model` first writes the towers' weights into the
+    model's variables, which a counter does not need.
+    """
+
+    training_run = None  # the TrainingRun that calls this callback (loop/run.py)
+
+    def set_training_run(self, run):
+        """Called by the loop when a training run that calls this callback begins."""
+        self.training_run = run
+
+    @property
+    def loop(self):
+        """The `kt.LoopState` of the training run (else the model's, outside one)."""
+        run = self.training_run
+        return self.model.loop if run is None else run.state
+
+
+class Callback(RunAware, keras.callbacks.Callback):
     """Base class of kerastower's callbacks; see the module docstring.
 
     Attributes:
@@ -69,23 +92,19 @@ class Callback(keras.callbacks.Callback):
     chief_only = True
     logs = None  # the logs of the Keras hook that is running
 
-    # Training state, read from the model's loop counters.
-
-    @property
-    def loop(self):
-        return self.model.loop
+    # Training state: the counters of the run that calls the callback.
 
     @property
     def epoch_num(self):
-        return self.model.loop.epoch_num
+        return self.loop.epoch_num
 
     @property
     def global_step(self):
-        return self.model.loop.global_step
+        return self.loop.global_step
 
     @property
     def local_step(self):
-        return self.model.loop.local_step
+        return self.loop.local_step
 
     def read_stat(self, logs, stat):
         """The value of `stat` in the epoch `logs`, or a KeyError naming the

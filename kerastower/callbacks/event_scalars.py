@@ -5,7 +5,7 @@ backend it needs TensorFlow. This one writes the same files with
 tensorboard's own record format (`_EventFile`: not its EventFileWriter,
 which goes through `tf.io.gfile` and so imports TensorFlow whenever it is
 installed; a local folder is what it writes to): `log_dir/train` holds `batch_<name>` at
-every global step (`model.loop.global_step`) and `epoch_<name>` at every
+every global step (the training run's, which `model.loop` shows) and `epoch_<name>` at every
 epoch, `log_dir/validation` the epoch's `val_` values as `epoch_<name>`;
 the learning rate is `epoch_learning_rate`. It writes scalars only (no
 graph, histograms or images). When it cannot write, it warns once and
@@ -32,6 +32,7 @@ import keras
 import numpy as np
 
 from kerastower.arguments import integer
+from kerastower.callbacks.base import RunAware
 from kerastower.callbacks.monitors import _learning_rate
 from kerastower.callbacks.write_guard import WriteFailures
 from kerastower.callbacks.write_guard import write_errors
@@ -52,7 +53,7 @@ def _scalars(logs):
     return found
 
 
-class ScalarTensorBoard(keras.callbacks.Callback):
+class ScalarTensorBoard(RunAware, keras.callbacks.Callback):
     """Writes a run's scalars for TensorBoard, with no TensorFlow.
 
     Args:
@@ -73,18 +74,18 @@ class ScalarTensorBoard(keras.callbacks.Callback):
         self.update_freq = 1 if update_freq == "batch" else update_freq
         self._failures = WriteFailures("TensorBoard")
         self._writers = {}
-        self._loop = None
         self._last_written_step = 0
 
     def set_model(self, model):
         super().set_model(model)
-        # Read the step from the loop itself: on JAX, `self.model` would
-        # first write the towers' weights into the model's variables.
-        self._loop = getattr(model, "loop", None)
         self._tower_model = model
 
     def _step(self):
-        return self._loop.global_step if self._loop is not None else 0
+        # The run's counter, not `self.model`'s: on JAX that would first
+        # write the towers' weights into the model's variables.
+        run = self.training_run
+        loop = run.state if run is not None else getattr(self._tower_model, "loop", None)
+        return loop.global_step if loop is not None else 0
 
     def _write(self, folder, scalars, step):
         if self._failures.error is not None or not scalars:

@@ -32,6 +32,7 @@ from kerastower._tf import tf
 from kerastower import _compat
 from kerastower.arguments import integer
 from kerastower.callbacks.base import Callback
+from kerastower.callbacks.base import RunAware
 from kerastower.callbacks.write_guard import write_errors
 from kerastower.callbacks.write_guard import WriteFailures
 from kerastower.callbacks.write_guard import never_raising_a_write_error
@@ -47,7 +48,7 @@ __all__ = [
 ]
 
 
-class ProgressBar(keras.callbacks.ProgbarLogger):
+class ProgressBar(RunAware, keras.callbacks.ProgbarLogger):
     """Keras's progress bar, showing samples/s summed over all towers, and
     at each epoch's end the learning rate. fit puts it after every other
     callback, as Keras does its own, so the epoch line has what they added
@@ -75,12 +76,12 @@ class ProgressBar(keras.callbacks.ProgbarLogger):
 
     def on_epoch_begin(self, epoch, logs=None):
         super().on_epoch_begin(epoch, logs)
-        self._epoch_start = (time.perf_counter(), self.model.loop.examples_seen)
+        self._epoch_start = (time.perf_counter(), self.loop.examples_seen)
 
     def on_train_batch_end(self, batch, logs=None):
         start_time, start_examples = self._epoch_start
         seconds = time.perf_counter() - start_time
-        examples = self.model.loop.examples_seen - start_examples
+        examples = self.loop.examples_seen - start_examples
         shown = dict(logs or {})
         if seconds > 0 and examples > 0:
             shown["samples/s"] = examples / seconds
@@ -113,7 +114,7 @@ class ThroughputTracker(Callback):
     """
 
     def _start_measuring(self):
-        self._start = (time.perf_counter(), self.model.loop.examples_seen, self.global_step)
+        self._start = (time.perf_counter(), self.loop.examples_seen, self.global_step)
 
     def _before_train(self):
         self._start_measuring()
@@ -125,7 +126,7 @@ class ThroughputTracker(Callback):
         start_time, start_examples, start_step = self._start
         seconds = max(time.perf_counter() - start_time, 1e-9)
         if self.logs is not None:
-            self.logs["samples_per_sec"] = (self.model.loop.examples_seen - start_examples) / seconds
+            self.logs["samples_per_sec"] = (self.loop.examples_seen - start_examples) / seconds
             self.logs["steps_per_sec"] = (self.global_step - start_step) / seconds
         self._start_measuring()
 
@@ -272,11 +273,11 @@ class JSONWriter(Callback):
                 pass
 
 
-class TensorBoard(keras.callbacks.TensorBoard):
+class TensorBoard(RunAware, keras.callbacks.TensorBoard):
     """Keras's TensorBoard callback, writing step scalars (`batch_*`) and
     epoch scalars (`epoch_*`), on the chief only.
 
-    Its step axis is the loop's global step (`model.loop.global_step`), not
+    Its step axis is the loop's global step (`TrainingRun.state.global_step`, which `model.loop` shows), not
     Keras's count of batch hooks: with `steps_per_execution=k` the scalars
     are at the steps the hooks ran after, and a resumed run goes on from
     the step it resumed at. An integer `update_freq=n` writes after the
@@ -324,15 +325,15 @@ class TensorBoard(keras.callbacks.TensorBoard):
 
     def on_train_begin(self, logs=None):
         super().on_train_begin(logs)
-        self._last_written_step = self.model.loop.global_step
+        self._last_written_step = self.loop.global_step
 
     def on_train_batch_begin(self, batch, logs=None):
         # Keras adds one: summaries written inside the call get its first step.
-        self._global_train_batch = self.model.loop.global_step
+        self._global_train_batch = self.loop.global_step
         super().on_train_batch_begin(batch, logs)
 
     def on_train_batch_end(self, batch, logs=None):
-        step = self._global_train_batch = self.model.loop.global_step
+        step = self._global_train_batch = self.loop.global_step
         if self.update_freq == "epoch":
             super().on_train_batch_end(batch, logs)
             return

@@ -98,7 +98,7 @@ class ModelSaver(Callback):
         return found
 
     def _trigger(self):
-        state = ResumeState.of(self.model).to_dict()
+        state = ResumeState.of(self.loop, self.model.num_towers).to_dict()
         now = self.clock()
         manifests = self._manifests()
         retentions = {path: (manifest or {}).get("retention", {}) for path, manifest in manifests}
@@ -175,8 +175,8 @@ class _BestSaver(Callback):
         """`checkpoint_dir`, else the run's log folder (`fit(logdir=...)`)."""
         if self.checkpoint_dir is not None:
             return os.fspath(self.checkpoint_dir)
-        model = getattr(self, "model", None)
-        return getattr(getattr(model, "loop", None), "logdir", None)
+        run = self.training_run
+        return None if run is None else run.state.logdir
 
     @property
     def path(self):

@@ -43,16 +43,15 @@ class ResumeState:
     time: float = 0.0
 
     @classmethod
-    def of(cls, model):
-        """The state of `model`'s loop now."""
-        loop = model.loop
+    def of(cls, loop, num_towers):
+        """The position of a training run now: its `LoopState`, on `num_towers` towers."""
         return cls(
             epoch_num=loop.epoch_num,
             local_step=loop.local_step,
             global_step=loop.global_step,
             steps_per_epoch=loop.steps_per_epoch,
             tower_batches=list(loop.tower_batches),
-            num_towers=model.num_towers,
+            num_towers=num_towers,
             epoch_ended=loop.epoch_ended,
             one_pass=loop.one_pass,
             time=time.time(),

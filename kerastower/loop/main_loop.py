@@ -175,10 +175,11 @@ def callbacks_for_this_process(strategy, callbacks):
     ]
 
 
-def training_callbacks(model, callbacks, verbose, logdir, epochs, steps):
+def training_callbacks(model, state, callbacks, verbose, logdir, epochs, steps):
     """The CallbackList a training run calls: the user's callbacks with the
-    default monitors, those of this process only, with a History."""
-    model.loop.logdir = None if logdir is None else os.fspath(logdir)
+    default monitors, those of this process only, with a History. The run's
+    log folder goes to its loop `state`."""
+    state.logdir = None if logdir is None else os.fspath(logdir)
     if isinstance(callbacks, keras.callbacks.CallbackList):
         return callbacks
     return keras.callbacks.CallbackList(
@@ -231,14 +232,20 @@ class MainLoop:
     StopTraining ends it. When training fails, the kt callbacks'
     after_train still runs (Keras callbacks' on_train_end does not: to
     Keras it means training completed), and the error is re-raised.
+
+    Args:
+        run: the `TrainingRun` (run.py): the model, the loop state the run
+            counts in, its callbacks and its name. The caller runs the loop
+            inside `run.training()`.
     """
 
-    def __init__(self, model, loop, callbacks, name):
-        self.model = model
-        self.loop = loop
-        self.callbacks = callbacks
-        self.name = name
-        self.strategy = model.tower_strategy
+    def __init__(self, run):
+        self.training_run = run
+        self.model = run.model
+        self.loop = run.state
+        self.callbacks = run.callbacks
+        self.name = run.name
+        self.strategy = run.strategy
 
     def run(self, iteration, starting_epoch, max_epoch, steps_per_epoch, epoch_length=None):
         """Trains epochs `starting_epoch..max_epoch` (1-based, inclusive).
@@ -247,6 +254,7 @@ class MainLoop:
         length, if known, is `epoch_length`).
         """
         model, loop, callbacks = self.model, self.loop, self.callbacks
+        self.training_run.hand_to_callbacks()
         check_strategy(model, self.name)
         loop.starting_epoch = starting_epoch
         loop.max_epoch = max_epoch
@@ -286,12 +294,11 @@ class MainLoop:
         gives every process the chief's variables and resume state; returns
         that state, or None."""
         state = None
-        self.restored_from = None
         for callback in getattr(self.callbacks, "callbacks", self.callbacks):
             restore = getattr(unwrapped(callback), "restore_training_state", None)
             if restore is not None and self.strategy.is_chief:
                 state = restore() or state
-                self.restored_from = getattr(unwrapped(callback), "restored_from", None)
+                self.training_run.restored_from = getattr(unwrapped(callback), "restored_from", None)
         state = self.strategy.broadcast_object(None if state is None else state.to_dict())
         self.strategy.sync_initial_state(self.model)
         self.strategy.seed_towers_apart(self.model)
@@ -313,7 +320,7 @@ class MainLoop:
             loop.tower_batches = list(skip)
         if self.strategy.is_chief and getattr(self.callbacks, "params", {}).get("verbose", 1):
             _compat.print_msg(
-                f"{self.name}: resumed from {self.restored_from or 'a checkpoint'} "
+                f"{self.name}: resumed from {self.training_run.restored_from or 'a checkpoint'} "
                 f"(global step {state.global_step}): going on at epoch {epoch_num}, "
                 f"step {first_step}."
             )

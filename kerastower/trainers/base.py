@@ -62,6 +62,7 @@ from kerastower.loop.main_loop import MainLoop
 from kerastower.loop.main_loop import announce_total_batch
 from kerastower.loop.main_loop import StopTraining
 from kerastower.loop.main_loop import training_callbacks
+from kerastower.loop.run import TrainingRun
 from kerastower.callbacks.base import RunHooks
 from kerastower.checkpoint.training_state import training_optimizers
 from kerastower.strategies.switch import _on_jax
@@ -297,20 +298,17 @@ class Trainer:
             self._is_set_up = True
         self._check_optimizers_are_on_the_model()
         self._build_compiled_optimizer()
-        # The callbacks see the trainer's loop state from the start: they
-        # keep the one they are set up with, and the run's logdir goes there.
-        fit_loop, self.model.loop = self.model.loop, self.loop
+        run = TrainingRun(self.model, self.loop, type(self).__name__)
         try:
-            callbacks = training_callbacks(
-                self.model, callbacks, verbose, logdir, epochs=max_epoch, steps=steps_per_epoch
-            )
-            self._run_hooks = RunHooks(callbacks)
-            self._verbose, self._announced = verbose, False
-            MainLoop(self.model, self.loop, callbacks, type(self).__name__).run(
-                _RunSteps(self), starting_epoch, max_epoch, steps_per_epoch
-            )
+            with run.training():
+                # Callbacks set up here see the trainer's loop as `model.loop`.
+                run.callbacks = callbacks = training_callbacks(
+                    self.model, self.loop, callbacks, verbose, logdir, epochs=max_epoch,
+                    steps=steps_per_epoch)
+                self._run_hooks = RunHooks(callbacks)
+                self._verbose, self._announced = verbose, False
+                MainLoop(run).run(_RunSteps(self), starting_epoch, max_epoch, steps_per_epoch)
         finally:
-            self.model.loop = fit_loop
             self._iterator = None
         return self.model.history
 
