@@ -6,6 +6,7 @@ import warnings
 
 import keras
 import numpy as np
+import pytest
 
 from shared_helpers import tower_devices
 
@@ -178,3 +179,112 @@ def test_the_step_gets_x_alone_without_y_as_keras_packs_it():
         model.fit(batches(), verbose=0)
         assert tower_seen and set(tower_seen) <= set(stock_seen), (towers, tower_seen, stock_seen)
     assert "tuple of 1" not in stock_seen
+
+
+
+def _loss_by_hand(base, returned_keys):
+    """A model compiled with a loss (and "rmse" where `returned_keys` holds
+    it) whose train_step computes its loss by hand, never updating the
+    compiled loss tracker, and returns `returned_keys` of: "loss", that
+    loss; "rmse", the compiled rmse's result, which it does update;
+    "mean_output", a value naming no metric (issue 26). Its test_step
+    returns `{"loss": loss}`."""
+    from shared_helpers import BACKEND
+
+    def returned(model, loss, y, predicted):
+        logs = {"loss": loss, "mean_output": keras.ops.mean(predicted)}
+        if "rmse" in returned_keys:
+            for metric in model.metrics:
+                if metric.name != "loss":
+                    metric.update_state(y, predicted)
+            logs["rmse"] = model.get_metrics_result()["rmse"]
+        return {key: logs[key] for key in returned_keys}
+
+    class Model(base):
+        if BACKEND == "tensorflow":
+            def train_step(self, data):
+                import tensorflow as tf
+
+                x, y = data
+                with tf.GradientTape() as tape:
+                    predicted = self(x, training=True)
+                    loss = keras.ops.mean((predicted - y) ** 2)
+                gradients = tape.gradient(loss, self.trainable_variables)
+                self.optimizer.apply(gradients, self.trainable_variables)
+                return returned(self, loss, y, predicted)
+
+            def test_step(self, data):
+                x, y = data
+                predicted = self(x, training=False)
+                return {"loss": keras.ops.mean((predicted - y) ** 2)}
+        else:
+            def train_step(self, state, data):
+                import jax
+
+                trainable, non_trainable, optimizer_vars, metrics = state
+                x, y = data
+
+                def loss_fn(trainable):
+                    predicted, updated = self.stateless_call(trainable, non_trainable, x, training=True)
+                    return keras.ops.mean((predicted - y) ** 2), (predicted, updated)
+
+                (loss, (predicted, non_trainable)), grads = jax.value_and_grad(
+                    loss_fn, has_aux=True)(trainable)
+                trainable, optimizer_vars = self.optimizer.stateless_apply(optimizer_vars, grads, trainable)
+                with keras.StatelessScope(
+                        state_mapping=list(zip(self.metrics_variables, metrics))) as scope:
+                    logs = returned(self, loss, y, predicted)
+                metrics = [scope.get_current_value(v) for v in self.metrics_variables]
+                return logs, (trainable, non_trainable, optimizer_vars, metrics)
+
+            def test_step(self, state, data):
+                trainable, non_trainable, metrics = state
+                x, y = data
+                predicted, _ = self.stateless_call(trainable, non_trainable, x, training=False)
+                return {"loss": keras.ops.mean((predicted - y) ** 2)}, state
+
+    keras.utils.set_random_seed(5)
+    inputs = keras.Input((4,))
+    model = Model(inputs, keras.layers.Dense(2)(keras.layers.Dense(6, activation="tanh")(inputs)))
+    model.compile(optimizer=keras.optimizers.SGD(0.1), loss="mse",
+                  metrics=[keras.metrics.RootMeanSquaredError(name="rmse")]
+                  if "rmse" in returned_keys else None)
+    return model
+
+
+@pytest.mark.parametrize("returned_keys", [
+    ("loss",), ("loss", "mean_output"), ("loss", "rmse"), ("loss", "rmse", "mean_output"),
+], ids="+".join)
+@pytest.mark.parametrize("examples", [48, 40], ids=["equal_towers", "short_last_step"])
+def test_a_raw_value_under_a_metrics_key_is_logged_as_keras_logs_it(returned_keys, examples):
+    """A custom step returning `{"loss": loss}` computed by hand (issue 26).
+
+    Keras's fit and evaluate log the metrics' results when the step
+    returned exactly their keys (then the loss tracker nothing updated:
+    0.0), and what it returned otherwise: the raw loss, and the metrics'
+    results it returned under their keys. kerastower logs the same, a raw
+    value as the towers' mean, a returned metric result as the metric read
+    across towers. A root mean squared error is not the mean of the
+    towers' own, so a returned metric result read as a raw value shows; so
+    it does on TensorFlow with 40 examples, whose last step of one batch of
+    8 runs on tower 0 alone, with its own running rmse."""
+    x, y = _data(examples, seed=6)
+    stock = _loss_by_hand(keras.Model, returned_keys)
+    want = stock.fit(x, y, batch_size=16, epochs=3, shuffle=False, verbose=0).history
+    want_evaluated = stock.evaluate(x, y, batch_size=16, return_dict=True, verbose=0)
+    assert sorted(want) == sorted(returned_keys)
+    # Keras's own rule, which this test holds kerastower to.
+    metric_keys = {"loss", "rmse"} & set(returned_keys) | {"loss"}
+    assert (want["loss"] == [0.0] * 3) == (set(returned_keys) == metric_keys)
+    assert (want_evaluated["loss"] == 0.0) == ("rmse" not in returned_keys)
+    for towers in (1, 2):
+        with kt.distributed("mirrored", devices=tower_devices(towers)):
+            model = _loss_by_hand(kt.TowerModel, returned_keys)
+        got = model.fit(x, y, batch_size=16 // towers, epochs=3, shuffle=False, verbose=0).history
+        assert sorted(got) == sorted(want), towers
+        for key in want:
+            np.testing.assert_allclose(got[key], want[key], atol=1e-5, err_msg=f"{towers}: {key}")
+        evaluated = model.evaluate(x, y, batch_size=16 // towers, return_dict=True, verbose=0)
+        assert sorted(evaluated) == sorted(want_evaluated), towers
+        np.testing.assert_allclose(evaluated["loss"], want_evaluated["loss"], atol=1e-5,
+                                   err_msg=str(towers))
