@@ -113,26 +113,42 @@ def test_unsynchronized_batchnorm_uses_each_towers_statistics_and_keeps_tower_0s
 def test_synchronized_batchnorm_outside_towers_uses_its_own_batch():
     x, _ = _data(16, seed=2)
     keras.utils.set_random_seed(3)
-    synced = keras.layers.BatchNormalization(synchronized=True)
-    plain = keras.layers.BatchNormalization()
-    expected = np.asarray(plain(x, training=True))
-    np.testing.assert_allclose(np.asarray(synced(x, training=True)), expected, atol=1e-6)
-    np.testing.assert_allclose(np.asarray(synced.moving_mean), np.asarray(plain.moving_mean), atol=1e-6)
-    assert synced.get_config()["synchronized"] is True
-    again = keras.layers.BatchNormalization.from_config(synced.get_config())
-    assert again.synchronized is True
+    with kt.distributed("single"):   # where kerastower admits the layer on JAX
+        synced = keras.layers.BatchNormalization(synchronized=True)
+        plain = keras.layers.BatchNormalization()
+        expected = np.asarray(plain(x, training=True))
+        np.testing.assert_allclose(np.asarray(synced(x, training=True)), expected, atol=1e-6)
+        np.testing.assert_allclose(np.asarray(synced.moving_mean), np.asarray(plain.moving_mean), atol=1e-6)
+        assert synced.get_config()["synchronized"] is True
+        again = keras.layers.BatchNormalization.from_config(synced.get_config())
+        assert again.synchronized is True
+
+
+def test_outside_every_kerastower_scope_synchronized_batchnorm_is_keras_own():
+    """kerastower's patches are held only by its scopes: outside them Keras
+    refuses the layer on JAX, and one built inside is refused training."""
+    x, _ = _data(16, seed=2)
+    with pytest.raises(ValueError, match="only supported with the TensorFlow backend"):
+        keras.layers.BatchNormalization(synchronized=True)
+    with kt.distributed("single"):
+        synced = keras.layers.BatchNormalization(synchronized=True)
+    with pytest.raises(NotImplementedError, match="synchronized=True is not supported with JAX"):
+        synced(x, training=True)
+    assert synced(x, training=False).shape == x.shape   # inference reads no batch moments
 
 
 def test_a_missing_keras_hook_fails_loudly_naming_the_versions(monkeypatch):
     from keras.src.backend.jax import nn as jax_nn
 
-    from kerastower.backend.jax import sync as jax_sync
-
     monkeypatch.delattr(jax_nn, "moments")
     with pytest.raises(kt.KerasTowerError, match=r"keras\.src\.backend\.jax\.nn\.moments") as error:
-        jax_sync.install()
+        with kt.distributed("single"):
+            pass
     assert f"Keras {keras.__version__}" in str(error.value)
     assert f"JAX {jax.__version__}" in str(error.value)
+    # Nothing was left patched: the constructor is Keras's own again.
+    with pytest.raises(ValueError, match="only supported with the TensorFlow backend"):
+        keras.layers.BatchNormalization(synchronized=True)
 
 
 # -- Dropout --------------------------------------------------------------------------
@@ -220,15 +236,17 @@ def test_dropout_in_inference_towers_equal_one_device(towers):
 
 
 def test_synchronized_batchnorm_under_keras_distribution_raises_instead_of_a_local_mean():
-    """kerastower lets Keras build BatchNormalization(synchronized=True) on
-    JAX; under Keras's own data parallelism it would compute each device's
-    moments alone, silently: it raises instead."""
+    """Inside kt.distributed, kerastower lets Keras build and call
+    BatchNormalization(synchronized=True) on JAX; under Keras's own data
+    parallelism it would compute each device's moments alone, silently: it
+    raises instead."""
     x, _ = _data(16, seed=2)
-    synced = keras.layers.BatchNormalization(synchronized=True)
-    keras.distribution.set_distribution(keras.distribution.DataParallel(devices=jax.devices()[:2]))
-    try:
-        with pytest.raises(kt.KerasTowerError, match="synchronized over kerastower's towers only"):
-            synced(x, training=True)
-    finally:
-        keras.distribution.set_distribution(None)
-    assert synced(x, training=True).shape == x.shape   # outside it, as before
+    with kt.distributed("single"):
+        synced = keras.layers.BatchNormalization(synchronized=True)
+        keras.distribution.set_distribution(keras.distribution.DataParallel(devices=jax.devices()[:2]))
+        try:
+            with pytest.raises(kt.KerasTowerError, match="synchronized over kerastower's towers only"):
+                synced(x, training=True)
+        finally:
+            keras.distribution.set_distribution(None)
+        assert synced(x, training=True).shape == x.shape   # outside it, as before

@@ -14,6 +14,7 @@ how long; this module holds the accessors both backends and TensorFlow use;
 import inspect
 
 from kerastower._tf import tf
+from kerastower._compat.patches import PatchGroup
 from kerastower._compat.patches import ScopedPatch
 from kerastower._compat.patches import gradients_already_reduced
 from kerastower._compat.patches import is_reducing
@@ -25,8 +26,8 @@ from kerastower._compat.required import _method
 from kerastower._compat.required import _missing
 from kerastower._compat.required import require
 
-__all__ = ["TESTED", "TESTED_ON_JAX", "require", "tower_patches", "ScopedPatch", "stock_fit_checked",
-           "gradients_already_reduced", "is_reducing"]
+__all__ = ["TESTED", "TESTED_ON_JAX", "require", "tower_patches", "ScopedPatch", "PatchGroup",
+           "stock_fit_checked", "gradients_already_reduced", "is_reducing"]
 
 # -- a concrete function called with its arguments bound once ------------------
 

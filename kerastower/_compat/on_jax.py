@@ -7,9 +7,11 @@ step that differentiates inside a tower function would see stale weights;
 
 Keras 3 refuses `BatchNormalization(synchronized=True)` on JAX (its
 constructor raises, and `keras.src.backend.jax.nn.moments` raises for
-`synchronized=True`). `install_synchronized_batchnorm` lets the layer be
-built and routes its moments to kerastower's, which reduce over the towers
-(backend/jax/sync.py).
+`synchronized=True`). Two `ScopedPatch`es change that, only while
+kerastower holds them (backend/jax/sync.py says when):
+`synchronized_batchnorm_admitted` lets the layer be built,
+`synchronized_moments_routed` routes its moments to kerastower's, which
+reduce over the towers.
 """
 
 import functools
@@ -18,12 +20,12 @@ import inspect
 
 import keras
 
-from kerastower._compat.patches import _patch
+from kerastower._compat.patches import ScopedPatch
 from kerastower._compat.required import _missing
 from kerastower._compat.required import require
 
-__all__ = ["require_function", "install_synchronized_batchnorm", "current_stateless_scope",
-           "inheriting_stateless_scope"]
+__all__ = ["require_function", "synchronized_moments_routed", "synchronized_batchnorm_admitted",
+           "current_stateless_scope", "inheriting_stateless_scope"]
 
 _MOMENTS = ("keras.src.backend.jax.nn", "moments")
 _STATELESS_SCOPE = ("keras.src.backend.common.stateless_scope", "get_stateless_scope")
@@ -46,22 +48,16 @@ def _parameter(function, name, what):
     return parameters[name]
 
 
-def install_synchronized_batchnorm(synchronized_moments):
-    """Makes `BatchNormalization(synchronized=True)` work on JAX.
+def synchronized_moments_routed(synchronized_moments):
+    """A `ScopedPatch`: while entered, Keras's JAX `moments(x, axes, keepdims,
+    synchronized=True)` calls `synchronized_moments(x, axes, keepdims,
+    local)`, `local` being Keras's own unsynchronized moments; with
+    `synchronized=False` it is Keras's own. Checked when first entered."""
 
-    The constructor is given `synchronized=False` for Keras's backend check
-    and the layer then says `synchronized=True` (so `get_config` round-trips).
-    Keras's JAX `moments(x, axes, keepdims, synchronized=True)` calls
-    `synchronized_moments(x, axes, keepdims, local)`, `local` being Keras's
-    own unsynchronized moments. Installs once; does nothing off JAX.
-    """
-    if keras.backend.backend() != "jax":
-        return
-    module = importlib.import_module(_MOMENTS[0])
-    moments = require_function(*_MOMENTS)
-    _parameter(moments, "synchronized", ".".join(_MOMENTS))
-    batchnorm = require_function(*_BATCHNORM)
-    _parameter(batchnorm.__init__, "synchronized", "BatchNormalization.__init__")
+    def find_module():
+        moments = require_function(*_MOMENTS)
+        _parameter(moments, "synchronized", ".".join(_MOMENTS))
+        return importlib.import_module(_MOMENTS[0])
 
     def routed(original):
         def moments(x, axes, keepdims=False, synchronized=False):
@@ -69,6 +65,23 @@ def install_synchronized_batchnorm(synchronized_moments):
                 return original(x, axes, keepdims, synchronized=False)
             return synchronized_moments(x, axes, keepdims, functools.partial(original, synchronized=False))
         return moments
+
+    return ScopedPatch(find_module, _MOMENTS[1], routed)
+
+
+def synchronized_batchnorm_admitted():
+    """A `ScopedPatch`: while entered, `BatchNormalization(synchronized=True)`
+    builds on JAX (Keras's constructor raises for it off TensorFlow).
+
+    The constructor is given `synchronized=False` for Keras's backend check
+    and the layer then says `synchronized=True`, so `get_config` round-trips.
+    Checked when first entered.
+    """
+
+    def find_class():
+        batchnorm = require_function(*_BATCHNORM)
+        _parameter(batchnorm.__init__, "synchronized", "BatchNormalization.__init__")
+        return batchnorm
 
     def accepting_synchronized(original):
         signature = inspect.signature(original)
@@ -85,8 +98,7 @@ def install_synchronized_batchnorm(synchronized_moments):
         __init__.__signature__ = signature
         return __init__
 
-    _patch(module, _MOMENTS[1], routed)
-    _patch(batchnorm, "__init__", accepting_synchronized)
+    return ScopedPatch(find_class, "__init__", accepting_synchronized)
 
 
 def current_stateless_scope():

@@ -4,8 +4,9 @@ A `ScopedPatch` replaces a Keras function while some scope holds it and
 puts Keras's own back when the last scope ends. TensorFlow's towers enter
 `tower_patches` (a tower's loss is its own mean; its `optimizer.apply`
 reduces over the towers first); `kt.distributed` enters the stock-`fit`
-check. `_patch` installs a patch for good: only the JAX engine's
-synchronized BatchNormalization uses it (on_jax.py).
+check; on JAX, `kt.distributed` and the engine's steps enter the patches
+that admit synchronized BatchNormalization (on_jax.py). Nothing is
+patched when kerastower is imported.
 """
 
 import functools
@@ -14,8 +15,8 @@ import threading
 from kerastower._compat.required import _missing
 from kerastower._compat.required import require
 
-__all__ = ["ScopedPatch", "tower_patches", "stock_fit_checked", "gradients_already_reduced",
-           "is_reducing"]
+__all__ = ["ScopedPatch", "PatchGroup", "tower_patches", "stock_fit_checked",
+           "gradients_already_reduced", "is_reducing"]
 
 
 # -- patches: tower semantics for Keras's losses and optimizers -------------------
@@ -60,19 +61,8 @@ class gradients_already_reduced:
         return False
 
 
-def _patch(owner, name, make_replacement):
-    original = getattr(owner, name, None)
-    if original is None:
-        raise _missing(f"{getattr(owner, '__qualname__', owner.__name__)}.{name}")
-    if getattr(original, "_kerastower_original", None) is not None:
-        return
-    replacement = functools.update_wrapper(make_replacement(original), original)
-    replacement._kerastower_original = original
-    setattr(owner, name, replacement)
-
-
-class _PatchGroup:
-    """ScopedPatches entered and left together."""
+class PatchGroup:
+    """ScopedPatches entered and left together (all or none)."""
 
     def __init__(self, patches):
         self._patches = list(patches)
@@ -128,7 +118,7 @@ def tower_patches(apply_in_tower):
     def loss_module():
         return require("keras.src.losses", "loss")
 
-    return _PatchGroup([
+    return PatchGroup([
         ScopedPatch(loss_module, "scale_loss_for_distribution", per_tower_scaling),
         ScopedPatch(loss_module, "unscale_loss_for_distribution", per_tower_scaling),
         ScopedPatch(lambda: require("keras.src.optimizers.base_optimizer", "BaseOptimizer"),

@@ -133,9 +133,12 @@ class PythonSourceInput(InputSource):
 
     def _feed(self, make_items, tower, total):
         name = f"The input ({self.kind})"
+        # Taken now, while the run that reads the feed builds it: the
+        # generator raises in tf.data's thread.
+        failures = step_errors.feeding_failures()
 
         def record(error, good):
-            step_errors.record_generator_error(error, name, good, tower)
+            failures.record_generator_error(error, name, good, tower)
 
         dataset = python_feed.feed_dataset(make_items, self.signature(), 0, name, record)
         options = tf.data.Options()

@@ -168,10 +168,14 @@ class distributed:
 
     def __enter__(self):
         strategy = self.strategy
-        if not _on_jax():
-            _STOCK_FIT_CHECK.__enter__()   # first: if Keras moved, nothing else is entered
-        scope = strategy.scope()
-        scope.__enter__()
+        patches = _block_patches()
+        patches.__enter__()   # first: if Keras moved, nothing else is entered
+        try:
+            scope = strategy.scope()
+            scope.__enter__()
+        except BaseException:
+            patches.__exit__(None, None, None)
+            raise
         self._scopes.append(scope)
         _active().append(strategy)
         return strategy
@@ -181,8 +185,7 @@ class distributed:
         try:
             return self._scopes.pop().__exit__(*exc_info)
         finally:
-            if not _on_jax():
-                _STOCK_FIT_CHECK.__exit__(*exc_info)
+            _block_patches().__exit__(*exc_info)
 
     def __call__(self, fn):
         @functools.wraps(fn)
@@ -221,3 +224,15 @@ def _warn_stock_fit(model):
 # Stock Keras's fit checks its model only inside a kt.distributed block:
 # outside every block, Keras runs unpatched.
 _STOCK_FIT_CHECK = _compat.stock_fit_checked(_warn_stock_fit)
+
+
+def _block_patches():
+    """The patches a kt.distributed block holds while it is open; outside
+    every block, Keras runs unpatched. TensorFlow: stock Keras's fit checks
+    its model. JAX: BatchNormalization(synchronized=True) builds, and its
+    moments are kerastower's (backend/jax/sync.py)."""
+    if not _on_jax():
+        return _STOCK_FIT_CHECK
+    from kerastower.backend.jax import sync  # imports JAX: only on that backend
+
+    return sync.SYNCHRONIZED_BATCHNORM

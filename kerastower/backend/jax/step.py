@@ -51,7 +51,6 @@ from kerastower.tower import TowerContext
 __all__ = ["AXIS", "tower_mesh", "place_tower_batches", "spans_processes", "local_value",
            "first_nonfinite_step", "TowerSteps"]
 
-jax_sync.install()
 
 class _TakenGradients:
     def __init__(self):
@@ -269,10 +268,11 @@ class TowerSteps:
         """`branch(index, *args)` for this device's tower, traced once per tower.
 
         While the branches are traced, synchronized BatchNormalization's
-        moments sum over the towers (sync.py).
+        moments sum over the towers (sync.py); one tower's are its batch's.
         """
         if self.num_towers == 1:
-            return branch(0, *args)
+            with jax_sync.synchronized_over(None):
+                return branch(0, *args)
         branches = [functools.partial(branch, i) for i in range(self.num_towers)]
         with jax_sync.synchronized_over(AXIS):
             return jax.lax.switch(jax.lax.axis_index(AXIS), branches, *args)

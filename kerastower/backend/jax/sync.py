@@ -9,6 +9,14 @@ would on the joined batch. The gradient flows through the sums, so it is
 that one device's too; the moving statistics come out the same on every
 tower. Outside the towers (one device, eager calls) the moments are the
 layer's own batch's, as on TensorFlow without a strategy.
+
+Keras itself refuses the layer on JAX. kerastower's patches admitting it
+(_compat/on_jax.py) are in place only while kerastower needs them:
+`SYNCHRONIZED_BATCHNORM` (the constructor and the moments) while a
+`kt.distributed` block is open, where models are built; the moments alone
+while the engine traces a step (`synchronized_over`). Outside every
+kerastower scope Keras is its own: the layer cannot be built there, and one
+built inside raises Keras's own error if it is trained there.
 """
 
 import contextlib
@@ -19,10 +27,11 @@ import jax
 import jax.numpy as jnp
 import keras
 
+from kerastower._compat import PatchGroup
 from kerastower._compat import on_jax as jax_compat
 from kerastower.errors import KerasTowerError
 
-__all__ = ["synchronized_over", "moments", "install"]
+__all__ = ["synchronized_over", "moments", "SYNCHRONIZED_BATCHNORM"]
 
 _local = threading.local()
 
@@ -31,14 +40,17 @@ _local = threading.local()
 def synchronized_over(axis_name):
     """Within it, synchronized moments reduce over the mesh axis `axis_name`.
 
-    None: they do not reduce over any axis (the layer's own batch).
+    None: they do not reduce over any axis (the layer's own batch). Keras's
+    moments are routed here while it is open: the engine opens it around
+    every tower step it traces, one tower included.
     """
     saved = getattr(_local, "axis", None)
-    _local.axis = axis_name
-    try:
-        yield
-    finally:
-        _local.axis = saved
+    with _MOMENTS_ROUTED:
+        _local.axis = axis_name
+        try:
+            yield
+        finally:
+            _local.axis = saved
 
 
 def moments(x, axes, keepdims, local_moments):
@@ -77,6 +89,9 @@ def moments(x, axes, keepdims, local_moments):
     return mean, variance
 
 
-def install():
-    """Routes Keras's synchronized moments on JAX here (once)."""
-    jax_compat.install_synchronized_batchnorm(moments)
+# One ScopedPatch per Keras function, shared by every scope that enters it:
+# it counts how many hold it and puts Keras's own back when the last ends.
+_MOMENTS_ROUTED = jax_compat.synchronized_moments_routed(moments)
+# What a kt.distributed block enters on JAX: while it is open,
+# BatchNormalization(synchronized=True) builds and its moments are these.
+SYNCHRONIZED_BATCHNORM = PatchGroup([jax_compat.synchronized_batchnorm_admitted(), _MOMENTS_ROUTED])

@@ -155,7 +155,8 @@ class TowerFunctionRunner(engine.TowerFunctionRunner):
 
         def body(state, args):
             if num_towers == 1:
-                new_state, outputs, weight, health = tower(0, state, args)
+                with jax_sync.synchronized_over(None):  # Keras's moments routed: one tower's own
+                    new_state, outputs, weight, health = tower(0, state, args)
             else:
                 state = per_tower(state, num_towers)
                 branches = [functools.partial(tower, i) for i in range(num_towers)]

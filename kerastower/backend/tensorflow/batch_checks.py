@@ -13,7 +13,6 @@ through unchanged.
 """
 
 import contextlib
-import threading
 
 import keras
 
@@ -247,33 +246,25 @@ def _error(model, step, tower, found, x, y):
 
 # A DataMismatchError raised while a tower step is traced leaves the
 # tf.function rewritten by AutoGraph, and TensorFlow's traceback filter
-# drops its cause; the original and its cause, kept here, are what
-# fit/evaluate raise.
-_raised = {}
-_lock = threading.Lock()
-
-
-def _raise(error, tower, cause):
-    with _lock:
-        _raised.setdefault(tower, (error, cause))
-    raise error from cause
-
+# drops its cause; the original and its cause are kept in the model's
+# engine's StepFailures (step_errors.py), and are what fit/evaluate raise.
 
 class original_errors:
     """Around running step functions: an error leaving them that a tower's
     DataMismatchError caused (AutoGraph re-raises it as a StagingError, or
     as a copy without its cause) is replaced by that DataMismatchError,
-    which has Keras's error as its cause."""
+    which has Keras's error as its cause. `failures`: the engine's
+    StepFailures, where the towers' checks record them."""
+
+    def __init__(self, failures):
+        self.failures = failures
 
     def __enter__(self):
-        with _lock:
-            _raised.clear()
+        self.failures.forget_batch_errors()
         return self
 
     def __exit__(self, kind, error, traceback):
-        with _lock:
-            original, cause = _raised[min(_raised)] if _raised else (None, None)
-            _raised.clear()
+        original, cause = self.failures.take_batch_error()
         if error is None or original is None:
             return False
         seen, link = set(), error
@@ -308,8 +299,7 @@ def checked_build(model, step, spec):
     there caused by a mismatch becomes a DataMismatchError; after the
     build, mismatches Keras lets pass (broadcast labels) raise too, with
     the error Keras's symbolic pass gives, if any, as the cause."""
-    with _lock:
-        _raised.clear()
+    model.engine.failures.forget_batch_errors()
     x, y, _ = _compat.unpack_x_y_sample_weight(spec)
     try:
         yield
@@ -391,5 +381,7 @@ class checked_step:
             return False
         found = problems(self.model, self.step, self.x, self.y, self.y_pred)
         if found:
-            _raise(_error(self.model, self.step, self.tower, found, self.x, self.y), self.tower, error)
+            mismatch = _error(self.model, self.step, self.tower, found, self.x, self.y)
+            self.model.engine.failures.record_batch_error(self.tower, mismatch, error)
+            raise mismatch from error
         return False

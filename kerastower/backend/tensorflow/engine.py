@@ -58,6 +58,9 @@ class TensorFlowEngine(StepEngine):
         # as the model's own variables (reordering model.variables); the
         # engine, no Keras object, keeps these caches out of its sight.
         self.cache = StepCache()
+        # What went wrong in the current run's steps that TensorFlow reports
+        # as text only (a generator's exception, a tower's batch mismatch).
+        self.failures = step_errors.StepFailures()
 
     def keras_jit_compile(self, jit_compile):
         # Keras's own step functions, which would jit-compile the cross-tower
@@ -93,11 +96,17 @@ class TensorFlowEngine(StepEngine):
         return _Feed(self.model, source, steps_per_epoch)
 
     def open_inference(self, source):
-        return iter(source.distribute(self.model.tower_strategy))
+        return iter(self.distribute(source))
+
+    def distribute(self, source, **kwargs):
+        """`source.distribute(strategy, **kwargs)`: the feeds it builds
+        record their generators' errors into this engine's StepFailures."""
+        with self.failures.feeding():
+            return source.distribute(self.model.tower_strategy, **kwargs)
 
     def test_steps(self, iterator, num_steps, first_step):
         run = tf_step.run_steps(self.model.make_test_function(), iterator, num_steps,
-                                f"Evaluation step {first_step + 1}")
+                                f"Evaluation step {first_step + 1}", failures=self.failures)
         return StepRun(taken=run.steps, done=run.steps, logs=run.logs)
 
     def predict_step(self, iterator, step):
@@ -107,7 +116,7 @@ class TensorFlowEngine(StepEngine):
                 return None
             return self.model.make_predict_function()(next_batches())
         except tf.errors.OpError as error:
-            failure = step_errors.explain(error, f"Prediction step {step + 1}")
+            failure = step_errors.explain(error, f"Prediction step {step + 1}", self.failures)
             raise failure from failure.__cause__
 
     def run_tower_function(self, tower_function, args):
@@ -135,7 +144,7 @@ class TensorFlowEngine(StepEngine):
         model = self.model
         strategy = model.tower_strategy
         self.build_for(source, with_targets=False)
-        iterator = iter(source.distribute(strategy))
+        iterator = iter(self.distribute(source))
         if compiled.get("sums") is None:
 
             def tower_sums(data):
@@ -190,8 +199,9 @@ class TensorFlowEngine(StepEngine):
     def running(self):
         # An error a generator raised while no step ran (its dataset read
         # directly) is no step's.
+        self.failures.clear()
         step_errors.forget_generator_errors()
-        with batch_checks.original_errors():
+        with batch_checks.original_errors(self.failures):
             yield
 
 
@@ -234,16 +244,16 @@ class _Feed(Feed):
             # Every process must agree, or one would wait in a collective
             # the others skip.
             self.endless = strategy.all_agree(self.source.endless(strategy.num_towers))
-            self.distributed = self.source.distribute(strategy, skip_batches=skip_batches)
+            self.distributed = self.model.engine.distribute(self.source, skip_batches=skip_batches)
             self.iterator = iter(self.distributed)
             return
         self.source.check_finite(strategy.num_towers)
         self.resumed_skip = None if skip_batches is None else list(skip_batches)
         if self.by_pass:
             return
-        self.distributed = self.source.distribute(strategy)
+        self.distributed = self.model.engine.distribute(self.source)
         if skip_batches is not None:
-            self.resumed_pass = self.source.distribute(strategy, skip_batches=skip_batches)
+            self.resumed_pass = self.model.engine.distribute(self.source, skip_batches=skip_batches)
         # Epoch e is the input's pass e-1, also in a resumed run: making
         # (and dropping) the iterators of the passes before puts a resumed
         # run at the same order.
@@ -256,8 +266,8 @@ class _Feed(Feed):
         skip, self.resumed_skip = self.resumed_skip, None
         loop.tower_batches = skip or [0] * self.model.num_towers
         if self.by_pass:
-            self.iterator = iter(self.source.distribute(
-                self.model.tower_strategy, skip_batches=skip, pass_index=loop.epoch_num - 1))
+            self.iterator = iter(self.model.engine.distribute(
+                self.source, skip_batches=skip, pass_index=loop.epoch_num - 1))
         elif skip is not None:
             self.iterator = iter(self.resumed_pass)
         else:
@@ -266,7 +276,8 @@ class _Feed(Feed):
     def run(self, num_steps, loop):
         first = loop.global_step + 1
         what = f"Training step {first}" + (f" (or up to {first + num_steps - 1})" if num_steps > 1 else "")
-        run = tf_step.run_steps(self.function, self.iterator, num_steps, what, self.endless)
+        run = tf_step.run_steps(self.function, self.iterator, num_steps, what, self.endless,
+                                failures=self.model.engine.failures)
         # The failed step's batches were taken, but its update was not applied.
         done = run.steps - (run.nonfinite_towers is not None)
         return StepRun(

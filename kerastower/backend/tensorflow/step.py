@@ -350,11 +350,13 @@ def logs_across_towers(model):
     return cache.read_logs()
 
 
-def run_steps(function, iterator, num_steps, what="step", endless=False):
+def run_steps(function, iterator, num_steps, what="step", endless=False, failures=None):
     """Runs up to `num_steps` steps of a step function; returns a StepsRun.
 
     `what` names the steps in errors (e.g. "Training step 12"); `endless`
-    says that no tower's input can run out (see `TowerStrategy.next_step`)."""
+    says that no tower's input can run out (see `TowerStrategy.next_step`);
+    `failures` is the run's StepFailures, whose generator error a failed
+    step names (step_errors.py)."""
     try:
         counters, outputs = _call(function, iterator, _as_tensor(num_steps), endless)
     except tf.errors.OutOfRangeError:
@@ -367,7 +369,7 @@ def run_steps(function, iterator, num_steps, what="step", endless=False):
             f"last checkpoint. TensorFlow said: {error.message.splitlines()[0]}"
         ) from error
     except tf.errors.OpError as error:
-        failure = step_errors.explain(error, what)
+        failure = step_errors.explain(error, what, failures)
         raise failure from failure.__cause__
     counters = np.asarray(counters)
     steps, examples, finite = (int(c) for c in counters[:3])

@@ -7,39 +7,134 @@ one "root error" per tower, node names and "0 derived errors ignored".
 towers and gives the root error first, chained to TensorFlow's error; an
 exception a `GeneratorInput` generator raised is chained itself, so that
 `except MyError` in user code still sees it as the cause.
+
+Those exceptions, and the towers' batch mismatches (batch_checks.py), are
+kept for the error in one `StepFailures` per TensorFlow engine
+(`engine.failures`), handed to the code that records into them when the
+feed or the step is built.
 """
 
+import contextlib
+import dataclasses
 import re
 import threading
 
 from kerastower.errors import StepFailedError
 
-__all__ = ["record_generator_error", "explain"]
+__all__ = ["GeneratorError", "StepFailures", "feeding_failures", "record_generator_error", "explain"]
 
 
-_generator_errors = []
-_lock = threading.Lock()
+@dataclasses.dataclass(frozen=True)
+class GeneratorError:
+    """An exception a Python generator feeding tf.data raised."""
+
+    error: BaseException
+    source_name: str
+    items_yielded: int   # items the generator gave in this pass before it raised
+    tower: int           # the tower the next batch was for
+
+
+@dataclasses.dataclass
+class StepFailures:
+    """What went wrong inside one run's steps that TensorFlow passes on as
+    text only: the exceptions of the Python generators feeding the steps,
+    and each tower's DataMismatchError raised while its step was traced
+    (batch_checks.py). The error the run raises chains them.
+
+    One per TensorFlow engine (`engine.failures`), emptied when fit,
+    evaluate or predict begins. The code that records into it is handed it
+    when the feed or step is built (`feeding`, `feeding_failures`; a step's
+    batch checks reach it through their model); generators record from
+    tf.data's threads and towers trace in threads of their own, hence the lock.
+    """
+
+    generator_errors: list = dataclasses.field(default_factory=list)  # GeneratorErrors, in order
+    batch_errors: dict = dataclasses.field(default_factory=dict)  # tower: (DataMismatchError, cause)
+    lock: threading.Lock = dataclasses.field(default_factory=threading.Lock, repr=False, compare=False)
+
+    def record_generator_error(self, error, source_name, items_yielded, tower):
+        """Called when a feed's generator raises, with the tower the next
+        batch was for: remembers the exception for `explain`."""
+        with self.lock:
+            self.generator_errors.append(GeneratorError(error, source_name, items_yielded, tower))
+
+    def take_generator_error(self):
+        """The first GeneratorError recorded (or None); forgets them all."""
+        with self.lock:
+            found = self.generator_errors[0] if self.generator_errors else None
+            self.generator_errors.clear()
+        return found
+
+    def record_batch_error(self, tower, error, cause):
+        """Remembers tower `tower`'s first DataMismatchError and its cause."""
+        with self.lock:
+            self.batch_errors.setdefault(tower, (error, cause))
+
+    def take_batch_error(self):
+        """(the lowest tower's DataMismatchError, its cause), or (None,
+        None); forgets them all."""
+        with self.lock:
+            found = self.batch_errors[min(self.batch_errors)] if self.batch_errors else (None, None)
+            self.batch_errors.clear()
+        return found
+
+    def forget_batch_errors(self):
+        """Drops the batch mismatches no step took."""
+        with self.lock:
+            self.batch_errors.clear()
+
+    def clear(self):
+        """Drops what no step took (when fit, evaluate or predict begins)."""
+        with self.lock:
+            self.generator_errors.clear()
+            self.batch_errors.clear()
+
+    @contextlib.contextmanager
+    def feeding(self):
+        """Within it, feeds built in this thread record their generators'
+        errors here (see `feeding_failures`)."""
+        stack = _feeding_stack()
+        stack.append(self)
+        try:
+            yield self
+        finally:
+            stack.pop()
+
+
+_building = threading.local()
+
+# The record of the recorders handed none: feeds built outside every run
+# (kt.Trainer's), and GeneratorInput (inputs/sources.py), which records
+# through the module-level `record_generator_error`. `explain` reads it
+# after the run's own record.
+_unowned = StepFailures()
+
+
+def _feeding_stack():
+    if not hasattr(_building, "stack"):
+        _building.stack = []
+    return _building.stack
+
+
+def feeding_failures():
+    """The StepFailures a feed built now records its generator's errors
+    into: the one `StepFailures.feeding` holds in this thread (the run's in
+    progress), else the record of feeds built outside any run. Call it when
+    the feed is built, not from tf.data's threads."""
+    stack = _feeding_stack()
+    return stack[-1] if stack else _unowned
 
 
 def record_generator_error(error, source_name, items_yielded, tower):
-    """Called by GeneratorInput when its generator raises (in tf.data's
-    thread), with the tower the next batch was for: remembers the exception
-    for `explain`."""
-    with _lock:
-        _generator_errors.append((error, source_name, items_yielded, tower))
+    """For a feed handed no StepFailures: records into the record of feeds
+    built outside any run."""
+    _unowned.record_generator_error(error, source_name, items_yielded, tower)
 
 
 def forget_generator_errors():
-    """Drops what no step took (called when fit, evaluate or predict begins)."""
-    with _lock:
-        _generator_errors.clear()
-
-
-def _take_generator_error():
-    with _lock:
-        found = _generator_errors[0] if _generator_errors else None
-        _generator_errors.clear()
-    return found
+    """Drops what no step took of the record of feeds built outside any run
+    (called when fit, evaluate or predict begins)."""
+    _unowned.clear()
 
 
 _ROOT = re.compile(r"^\s*\((\d+)\)\s+([A-Z_]+):\s*(.*)$")
@@ -61,15 +156,19 @@ def _root_errors(message):
     return found
 
 
-def explain(error, what):
+def explain(error, what, failures=None):
     """A StepFailedError for the OpError `error` raised by `what` (e.g.
-    "training step 12"); the caller raises it."""
-    recorded = _take_generator_error()
+    "training step 12"), naming the generator error `failures` (the run's
+    StepFailures) or the record of feeds built outside any run holds; the
+    caller raises it."""
+    recorded = failures.take_generator_error() if failures is not None else None
+    if recorded is None:
+        recorded = _unowned.take_generator_error()
     if recorded is not None:
-        cause, source_name, yielded, tower = recorded
+        cause = recorded.error
         return _chained(StepFailedError(
-            f"{what} failed on tower {tower}: the generator of {source_name} raised "
-            f"{type(cause).__name__}: {cause} (making batch {yielded + 1} of this "
+            f"{what} failed on tower {recorded.tower}: the generator of {recorded.source_name} raised "
+            f"{type(cause).__name__}: {cause} (making batch {recorded.items_yielded + 1} of this "
             "pass, for that tower). Fix the generator; the exception is this "
             "error's cause."
         ), cause)
