@@ -1,7 +1,9 @@
 """numpy arrays as an InputSource: per-tower batches, reshuffled every pass.
 
 What `fit(x, y, batch_size=...)` trains on: `as_input_source` (sources.py)
-makes one from arrays, with `batch_size` examples per tower. As Keras's
+makes one from arrays, with `batch_size` examples per tower. Which rows
+each batch holds, pass by pass, is decided by `ArrayRows` (array_rows.py),
+as on JAX; this module gathers them in a tf.data pipeline. As Keras's
 array adapter on TensorFlow, it also takes `tf.RaggedTensor`s and
 `tf.SparseTensor`s, whose rows are gathered as a dense array's are.
 """
@@ -10,6 +12,7 @@ import numpy as np
 import tensorflow as tf
 
 from kerastower.errors import InputSourceError
+from kerastower.inputs.array_rows import ArrayRows
 from kerastower.inputs.sources import DatasetInput
 
 __all__ = ["ArrayInput"]
@@ -69,8 +72,14 @@ class ArrayInput(DatasetInput):
 
     Elements are laid out as Keras unpacks them: `(x,)`, `(x, y)` or
     `(x, y, sample_weight)`. With `repeat`, the passes follow each other
-    endlessly (for `steps_per_epoch`), each one reshuffled.
+    endlessly (for `steps_per_epoch`), each one reshuffled. The order of
+    pass p is `ArrayRows.order(p)`, the same on every backend.
     """
+
+    # The engine opens every pass with its index (`distribute(...,
+    # pass_index=)`), so a pass's order is the pass's, resumes included.
+    pass_indexed = True
+    deals_out = True
 
     def __init__(self, x, y, sample_weight, batch_size, shuffle, repeat=False):
         if y is None and sample_weight is not None:
@@ -87,48 +96,45 @@ class ArrayInput(DatasetInput):
                 f"got lengths {sorted(lengths)}."
             )
         self._element = element
-        self._length = lengths.pop()
-        self._shuffle = shuffle
         self._repeat = repeat
-        # An explicit seed (from numpy's generator, which
-        # keras.utils.set_random_seed seeds) makes the order replayable.
-        self._seed = int(np.random.randint(2**31 - 1)) if shuffle else None
         self.batch_size = batch_size
-        super().__init__(self._make_dataset())
+        self.rows = ArrayRows(lengths.pop(), batch_size, shuffle)
+        self._first_pass = 0
+        super().__init__(self._gathered(self._index_batches()))
 
-    deals_out = True
-
-    def _tower_share(self, ctx, skip):
-        # One index stream per tower, kept: its reshuffling moves on once
-        # per pass (per iterator), so a resumed pass's copy, made later,
-        # goes on with the order of the pass it resumes, as the shared
-        # pipeline does.
-        key = (ctx.index, ctx.total, self._seed)
-        if key not in self._tower_streams:
-            self._tower_streams[key] = self._index_batches()
-        return self._gathered(self._tower_streams[key].skip(skip).shard(ctx.total, ctx.index))
-
-    def _make_dataset(self):
-        self._tower_streams = {}
+    def _tower_dataset(self, ctx):
         return self._gathered(self._index_batches())
 
+    def _tower_share(self, ctx, skip):
+        return self._gathered(self._index_batches().skip(skip).shard(ctx.total, ctx.index))
+
     def _index_batches(self):
-        # Batches of example indices, shuffled as the examples would be (a
-        # shuffle's order depends on its seed and size only), then one
-        # gather per batch (`_gathered`): far cheaper than slicing every
-        # example and batching them one by one.
-        indices = tf.data.Dataset.range(self._length)
-        if self._shuffle:
-            indices = indices.shuffle(self._length, seed=self._seed, reshuffle_each_iteration=True)
+        """The row indices of every batch, from pass `_first_pass` on (one
+        pass, or endless with `repeat`): one gather per batch then takes
+        the rows (`_gathered`), far cheaper than batching rows one by one."""
+        rows = self.rows
+        full_batches, rest = divmod(rows.length, rows.batch_size)
+
+        def batches_of(pass_index):
+            order = tf.numpy_function(rows.order, [pass_index], tf.int64, stateful=False)
+            order = tf.ensure_shape(order, [rows.length])
+            whole = full_batches * rows.batch_size
+            batches = tf.data.Dataset.from_tensor_slices(
+                tf.reshape(order[:whole], [full_batches, rows.batch_size]))
+            if rest:
+                batches = batches.concatenate(tf.data.Dataset.from_tensors(order[whole:]))
+            return batches
+
         if self._repeat:
             # Endless, so every tower always gets a whole batch: a static
             # batch size (when the passes divide evenly) spares the step
             # reducing the towers' example counts.
-            whole = self._length % self.batch_size == 0
-            indices = indices.batch(self.batch_size, drop_remainder=whole).repeat()
-        else:
-            indices = indices.batch(self.batch_size)
-        return indices
+            return tf.data.Dataset.counter(self._first_pass).flat_map(batches_of)
+        # A pass may end with some towers short of a batch: a batch size
+        # left open tells tf.distribute to hand those towers empty batches.
+        return batches_of(tf.constant(self._first_pass, tf.int64)).map(
+            lambda batch: tf.compat.v1.placeholder_with_default(batch, [None])
+        ).apply(tf.data.experimental.assert_cardinality(rows.num_batches()))
 
     def _gathered(self, indices):
         arrays = tf.data.Dataset.from_tensors(self._element).repeat()
@@ -137,12 +143,24 @@ class ArrayInput(DatasetInput):
             num_parallel_calls=tf.data.AUTOTUNE, deterministic=True,
         ).prefetch(tf.data.AUTOTUNE)
 
-    def distribute(self, strategy, skip_batches=None):
-        if self._shuffle:
+    def distribute(self, strategy, skip_batches=None, pass_index=0):
+        """Pass `pass_index`'s batches (and the passes after it, with
+        `repeat`) on `strategy`'s towers, less the batches each tower took
+        before (`skip_batches`)."""
+        if self.rows.shuffle:
             # Every process must shuffle alike before taking its shard, or
             # the shards would overlap: the chief's seed wins.
-            seed = strategy.broadcast_object(self._seed)
-            if seed != self._seed:
-                self._seed = seed
-                self._dataset = self._make_dataset()
+            self.rows.seed = strategy.broadcast_object(self.rows.seed)
+        self._first_pass = pass_index
         return super().distribute(strategy, skip_batches=skip_batches)
+
+    def endless(self, total):
+        return self._repeat
+
+    def check_finite(self, total):
+        """Arrays end, unless repeated for `steps_per_epoch`."""
+        if self._repeat:
+            super().check_finite(total)
+
+    def steps(self, total):
+        return None if self._repeat else self.rows.num_steps(total)

@@ -1,12 +1,13 @@
 """numpy arrays as per-tower batches on the JAX backend.
 
-As on TensorFlow (arrays.py), the towers take successive batches of
-`batch_size` examples: tower k of step s takes batch `s * N + k` of the pass,
-so `total batch = batch_size x N`. One difference: a step's batches form one
-array sharded over the towers, so they need one shape. The last step of a
-pass, when it has fewer than `batch_size x N` examples, therefore runs as
-one tower on all of them: on the joined batch, what N towers with an
-example-weighted reduce would compute.
+Which rows each tower takes is decided for both backends by `ArrayRows`
+(array_rows.py): tower k of step s takes batch `s * N + k` of the pass, so
+`total batch = batch_size x N`, in the same order as on TensorFlow. What
+is JAX's own is the placing: a step's batches form one array sharded over
+the towers, so they need one shape. The last step of a pass, when it has
+fewer than `batch_size x N` examples, therefore runs as one tower on all
+of them: on the joined batch, what N towers with an example-weighted
+reduce would compute.
 
 Examples:
     >>> import numpy as np
@@ -22,6 +23,7 @@ import keras
 import numpy as np
 
 from kerastower.errors import InputSourceError
+from kerastower.inputs.array_rows import ArrayRows
 
 __all__ = ["ArrayBatches"]
 
@@ -65,17 +67,23 @@ class ArrayBatches:
             )
         self.length = lengths.pop()
         self.batch_size = batch_size
-        self._shuffle = shuffle
-        # From numpy's generator, which keras.utils.set_random_seed seeds:
-        # every pass's order is replayable.
-        self.shuffle_seed = int(np.random.randint(2**31 - 1)) if shuffle else None
+        self.rows = ArrayRows(self.length, batch_size, shuffle)
+
+    @property
+    def shuffle_seed(self):
+        """The seed of every pass's order (None without shuffle); processes agree on it."""
+        return self.rows.seed
+
+    @shuffle_seed.setter
+    def shuffle_seed(self, seed):
+        self.rows.seed = seed
 
     def check_finite(self, method, argument=None):
         """Arrays always end: nothing to check."""
 
     def steps(self, num_towers):
         """Steps in one pass with `num_towers` towers."""
-        return -(-self.length // (self.batch_size * num_towers))
+        return self.rows.num_steps(num_towers)
 
     def first_batch(self):
         """Tower 0's first batch (what the model is built from)."""
@@ -84,25 +92,17 @@ class ArrayBatches:
     def _take(self, indices):
         return keras.tree.map_structure(lambda a: np.asarray(a)[indices], self._element)
 
-    def _order(self, pass_index):
-        if not self._shuffle:
-            return np.arange(self.length)
-        return np.random.default_rng([self.shuffle_seed, pass_index]).permutation(self.length)
-
     def one_pass(self, num_towers, pass_index=0, skip_steps=0):
         """The steps of pass `pass_index`, from step `skip_steps` on.
 
         Each is a list of per-tower batches (one batch holding the rest, for
         a last step short of a whole one). A resumed pass replays the same
         order from the seed, less the `skip_steps` steps taken before."""
-        order = self._order(pass_index)
-        whole = self.batch_size * num_towers
-        for start in range(skip_steps * whole, self.length, whole):
-            step = order[start:start + whole]
-            if len(step) == whole:
-                yield [self._take(part) for part in np.split(step, num_towers)]
+        for step in self.rows.steps_of_pass(num_towers, pass_index, skip_steps):
+            if len(step) == num_towers and len(step[-1]) == self.batch_size:
+                yield [self._take(rows) for rows in step]
             else:
-                yield [self._take(step)]
+                yield [self._take(np.concatenate(step))]
 
     def endless(self, num_towers, first_pass=0, skip_steps=0):
         """Pass after pass, each reshuffled, less the first `skip_steps` steps of all."""
