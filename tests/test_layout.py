@@ -152,3 +152,76 @@ def test_moved_modules_still_import_with_a_deprecation_warning():
         assert module is importlib.import_module(new), old
         assert any(issubclass(w.category, DeprecationWarning) and new in str(w.message)
                    for w in caught), old
+
+
+# Module-level state that may change while kerastower runs, each reviewed:
+# what it holds and why it is not a run's or a step's (which live in the
+# engine's records: StepCache, StepFailures, the TrainingRun).
+REVIEWED_MODULE_STATE = {
+    # The scopes the current thread has open (towers, strategies, a tower
+    # function being traced, synchronized moments, a feed being built):
+    # stacks that empty as the scopes close.
+    ("kerastower._compat.patches", "_state"),
+    ("kerastower.backend.jax.sync", "_local"),
+    ("kerastower.backend.jax.tower_function", "_tracing"),
+    ("kerastower.backend.tensorflow.step_errors", "_building"),
+    ("kerastower.backend.tensorflow.collectives", "_active"),
+    ("kerastower.strategies.switch", "_local"),
+    ("kerastower.tower", "_local"),
+    # Registries filled at import, and warn-once memories.
+    ("kerastower.strategies.switch", "_REGISTRY"),
+    ("kerastower.strategies.switch", "_warned_stock_models"),  # weak: models die with their users
+    ("kerastower.backend.tensorflow.xla", "_warned"),
+    ("kerastower.functional", "_FUNCTIONAL_TWINS"),
+    # A cache keyed weakly by the traced function: dropped with it.
+    ("kerastower.backend.tensorflow.step", "_bound_calls"),
+}
+_MUTABLE_CALLS = {"list", "dict", "set", "defaultdict", "OrderedDict", "deque", "Counter",
+                  "WeakKeyDictionary", "WeakValueDictionary", "WeakSet", "local"}
+
+
+_MUTATING_METHODS = {"append", "add", "setdefault", "update", "pop", "clear", "extend", "remove"}
+
+
+def _mutated_names(tree):
+    """Names that are stored into (`name[k] = v`) or changed by a method
+    call (`name.append(...)`) anywhere in the module."""
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Subscript) and isinstance(node.ctx, ast.Store) \
+                and isinstance(node.value, ast.Name):
+            yield node.value.id
+        if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) \
+                and node.func.attr in _MUTATING_METHODS and isinstance(node.func.value, ast.Name):
+            yield node.func.value.id
+
+
+def _mutable_module_state(module, path):
+    with open(path) as f:
+        tree = ast.parse(f.read())
+    mutated = set(_mutated_names(tree))
+    for node in tree.body:
+        if not isinstance(node, (ast.Assign, ast.AnnAssign)) or node.value is None:
+            continue
+        targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+        value = node.value
+        if isinstance(value, ast.Call):
+            called = value.func.attr if isinstance(value.func, ast.Attribute) else getattr(value.func, "id", "")
+            mutable = called in _MUTABLE_CALLS
+        else:
+            mutable = isinstance(value, (ast.List, ast.Set, ast.ListComp, ast.SetComp, ast.DictComp))
+            # A dict literal is a constant table unless something stores into it.
+            mutable = mutable or isinstance(value, ast.Dict)
+        for target in targets:
+            if not isinstance(target, ast.Name) or target.id == "__all__":
+                continue
+            if mutable and (not isinstance(value, ast.Dict) or target.id in mutated):
+                yield module, target.id
+
+
+def test_module_level_state_is_only_what_was_reviewed():
+    """Per-run and per-step state lives in the engine's and the loop's
+    records, not in module globals (a dict keyed by id() and never cleared
+    was one): new module-level state must be reviewed and listed above."""
+    found = {state for module, path in MODULES.items() for state in _mutable_module_state(module, path)}
+    assert found - REVIEWED_MODULE_STATE == set(), "unreviewed module-level state"
+    assert REVIEWED_MODULE_STATE - found == set(), "listed state that no longer exists: drop it"

@@ -279,9 +279,11 @@ class GeneratorInput(InputSource):
         name = f"GeneratorInput({getattr(self._generator_fn, '__qualname__', repr(self._generator_fn))})"
 
         # tf.data passes on only the text of an exception; the step that
-        # fails gives the user the exception itself.
+        # fails gives the user the exception itself, from the run's record.
+        failures = step_errors.feeding_failures()
+
         def record(error, yielded):
-            step_errors.record_generator_error(error, name, yielded, yielded % ctx.total)
+            failures.record_generator_error(error, name, yielded, yielded % ctx.total)
 
         if python_feed.feedable(self._signature):
             return python_feed.feed_dataset(

@@ -348,7 +348,7 @@ class _RunSteps(Iteration):
     def start(self, skip_batches, epoch_num):
         trainer = self.trainer
         if trainer._feed is not None:
-            trainer._feed.open(trainer.strategy, skip_batches)
+            trainer._feed.open(trainer.model.engine, skip_batches)
             trainer._iterator = trainer._feed.iterator
 
     def before_epoch(self, loop):

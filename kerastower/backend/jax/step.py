@@ -322,7 +322,7 @@ class TowerSteps:
                     _gradients_taken(model.optimizer, step_name) as taken:
                 logs, (_, non_trainable, _, metrics) = model.train_step(
                     (trainable, non_trainable, optimizer_vars, metrics), data)
-            values = self.step_values.local(logs, examples)
+            values = self.step_values.local(logs, examples, metrics)
             if taken.gradients is None:
                 raise TowerRuleError(
                     f"{step_name} did not call self.optimizer.stateless_apply, so "
@@ -376,7 +376,7 @@ class TowerSteps:
         def tower(index, trainable, non_trainable, metrics, data):
             with self._tower_context(index, False):
                 logs, (_, _, metrics) = model.test_step((trainable, non_trainable, metrics), data)
-            return list(metrics), self.test_values.local(logs, jax.tree.leaves(data)[0].shape[0])
+            return list(metrics), self.test_values.local(logs, jax.tree.leaves(data)[0].shape[0], metrics)
 
         metrics, values = self._switch(tower, trainable, non_trainable, [m[0] for m in tower_metrics], data)
         return [m[None] for m in metrics], self.test_values.reduced(values, self.num_towers > 1)

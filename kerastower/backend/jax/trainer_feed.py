@@ -27,9 +27,11 @@ class JaxFeed:
         self.source = jax_sources.tower_batches(input)
         self.iterator = None
 
-    def open(self, strategy, skip_batches):
+    def open(self, engine, skip_batches):
+        """Opens the input on `engine`'s towers, less the `skip_batches` each
+        tower took before."""
         skip = max(skip_batches) if skip_batches else 0
-        self.iterator = self.source.endless(strategy.num_towers, skip_steps=skip)
+        self.iterator = self.source.endless(engine.model.num_towers, skip_steps=skip)
 
     def next(self, strategy):
         """(one step's batches, a `TowerBatches`; examples by tower), or None

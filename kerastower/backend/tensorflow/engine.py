@@ -200,7 +200,6 @@ class TensorFlowEngine(StepEngine):
         # An error a generator raised while no step ran (its dataset read
         # directly) is no step's.
         self.failures.clear()
-        step_errors.forget_generator_errors()
         with batch_checks.original_errors(self.failures):
             yield
 

@@ -215,7 +215,7 @@ def make_step_function(model, tower_step, mode):
         if mode != "predict" else set()
     )
 
-    values = StepValues(metric_keys, step_name)
+    values = StepValues(metric_keys, step_name, model=model)
 
     def tower_fn(data, equal_batches):
         index = strategy.tower_index()

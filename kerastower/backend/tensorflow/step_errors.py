@@ -21,7 +21,7 @@ import threading
 
 from kerastower.errors import StepFailedError
 
-__all__ = ["GeneratorError", "StepFailures", "feeding_failures", "record_generator_error", "explain"]
+__all__ = ["GeneratorError", "StepFailures", "feeding_failures", "explain"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -103,12 +103,6 @@ class StepFailures:
 
 _building = threading.local()
 
-# The record of the recorders handed none: feeds built outside every run
-# (kt.Trainer's), and GeneratorInput (inputs/sources.py), which records
-# through the module-level `record_generator_error`. `explain` reads it
-# after the run's own record.
-_unowned = StepFailures()
-
 
 def _feeding_stack():
     if not hasattr(_building, "stack"):
@@ -119,22 +113,12 @@ def _feeding_stack():
 def feeding_failures():
     """The StepFailures a feed built now records its generator's errors
     into: the one `StepFailures.feeding` holds in this thread (the run's in
-    progress), else the record of feeds built outside any run. Call it when
-    the feed is built, not from tf.data's threads."""
+    progress). A feed built outside every run (by hand, `source.distribute`)
+    gets a record of its own that no step reads: its errors are reported
+    without their cause. Call it when the feed is built, not from tf.data's
+    threads."""
     stack = _feeding_stack()
-    return stack[-1] if stack else _unowned
-
-
-def record_generator_error(error, source_name, items_yielded, tower):
-    """For a feed handed no StepFailures: records into the record of feeds
-    built outside any run."""
-    _unowned.record_generator_error(error, source_name, items_yielded, tower)
-
-
-def forget_generator_errors():
-    """Drops what no step took of the record of feeds built outside any run
-    (called when fit, evaluate or predict begins)."""
-    _unowned.clear()
+    return stack[-1] if stack else StepFailures()
 
 
 _ROOT = re.compile(r"^\s*\((\d+)\)\s+([A-Z_]+):\s*(.*)$")
@@ -159,11 +143,8 @@ def _root_errors(message):
 def explain(error, what, failures=None):
     """A StepFailedError for the OpError `error` raised by `what` (e.g.
     "training step 12"), naming the generator error `failures` (the run's
-    StepFailures) or the record of feeds built outside any run holds; the
-    caller raises it."""
+    StepFailures) holds; the caller raises it."""
     recorded = failures.take_generator_error() if failures is not None else None
-    if recorded is None:
-        recorded = _unowned.take_generator_error()
     if recorded is not None:
         cause = recorded.error
         return _chained(StepFailedError(

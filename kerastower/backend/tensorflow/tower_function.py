@@ -29,7 +29,8 @@ class TowerFunctionRunner(engine.TowerFunctionRunner):
         except tf.errors.OutOfRangeError:
             raise  # the end of the input, for the trainer to handle
         except tf.errors.OpError as error:
-            failure = step_errors.explain(error, f"Step {step} (tower_function {self.__name__!r})")
+            failure = step_errors.explain(error, f"Step {step} (tower_function {self.__name__!r})",
+                                          model.engine.failures)
             raise failure from failure.__cause__
         if not bool(finite):
             raise nonfinite.error_for(

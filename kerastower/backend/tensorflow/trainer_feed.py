@@ -25,8 +25,10 @@ class TensorFlowFeed:
         self.source = as_input_source(input)
         self.iterator = None
 
-    def open(self, strategy, skip_batches):
-        self.iterator = iter(self.source.distribute(strategy, skip_batches=skip_batches))
+    def open(self, engine, skip_batches):
+        """Opens the input on `engine`'s towers (its generators' errors go to
+        the engine's record), less the `skip_batches` each tower took before."""
+        self.iterator = iter(engine.distribute(self.source, skip_batches=skip_batches))
 
     def next(self, strategy):
         """(one step's batches, examples by tower), or None at the input's end."""
