@@ -137,3 +137,22 @@ def test_use_cpu_towers_splits_the_cpu_in_a_fresh_process():
                             text=True, timeout=120)
     assert result.returncode == 0, result.stderr[-3000:]
     assert "REFUSED: use_cpu_towers(3): TensorFlow has already started with 2 CPU" in result.stdout
+
+
+def test_a_strategy_only_places_reduces_and_broadcasts():
+    """Taking a step's batches is the engine's (backend/tensorflow/feeding.py),
+    not the strategy's: a custom strategy that still overrides the input
+    methods strategies had is refused at once, naming what replaces them,
+    rather than being silently ignored."""
+    with pytest.raises(kt.StrategyError, match="next_step.*any_process_has"):
+        class OldStyle(kt.TowerStrategy):
+            def next_step(self, iterator, endless=False):
+                return None
+    with pytest.raises(kt.StrategyError, match="place_input"):
+        class OldPlacing(kt.TowerStrategy):
+            def distribute(self, dataset_fn, per_tower):
+                return None
+    input_methods = {"next_step", "distribute"}
+    for strategy_class in (kt.TowerStrategy, kt.strategies.horovod.HorovodStrategy,
+                           kt.strategies.multiworker.MultiWorkerStrategy):
+        assert input_methods.isdisjoint(dir(strategy_class)), strategy_class

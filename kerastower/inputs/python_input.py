@@ -188,7 +188,7 @@ class PythonSourceInput(InputSource):
                 tower = context.input_pipeline_id
                 return self._feed(lambda: tower_items(tower), tower, total)
 
-            return strategy.distribute(dataset_fn, per_tower=True)
+            return strategy.place_input(dataset_fn, per_tower=True)
 
         # One pipeline the strategy deals out (one tower, or several towers
         # per worker under "multiworker"): batch by batch, so with `repeat` a
@@ -198,4 +198,4 @@ class PythonSourceInput(InputSource):
         def dataset_fn(context):
             return self._feed(lambda: self._items_of(self._steps(1, pass_index, skip)), 0, total)
 
-        return strategy.distribute(dataset_fn, per_tower=False)
+        return strategy.place_input(dataset_fn, per_tower=False)

@@ -115,7 +115,7 @@ class InputSource:
                 dataset = _relax_to(dataset, common_spec)
             return dataset
 
-        return strategy.distribute(dataset_fn, per_tower=self.per_tower or dealt)
+        return strategy.place_input(dataset_fn, per_tower=self.per_tower or dealt)
 
     # Whether `_tower_share` can build tower i's share of a shared pipeline
     # (its batches i, i + N, ...) at no more cost than the shared one.

@@ -2,9 +2,14 @@
 
 Each TensorFlow strategy is a `TowerStrategy`: a thin wrapper over a
 `tf.distribute.Strategy` that gives the rest of kerastower the few
-operations it needs (run a function once per tower, all-reduce inside a
-tower, turn an InputSource into per-tower iterators, broadcast the chief's
-state). mirrored.py, horovod.py and multiworker.py subclass or make it;
+operations it needs, of three kinds only. Place: where the towers run
+(`run`, `scope`) and where their input pipelines are read
+(`place_input`). Reduce: all-reduce inside a tower, gather or sum the
+towers' values, agree whether any process has data left. Broadcast: the
+chief's state and objects. Which batch each tower takes is the input
+layer's (kerastower/inputs/), and how a step takes it the engine's
+(backend/tensorflow/feeding.py). mirrored.py, horovod.py and
+multiworker.py subclass or make it;
 on JAX, jax_mesh.py holds the strategy of a device mesh. `kt.distributed`
 (switch.py) picks one by name.
 """
@@ -13,6 +18,7 @@ on JAX, jax_mesh.py holds the strategy of a device mesh. `kt.distributed`
 from kerastower._tf import tf
 from kerastower import _compat
 from kerastower.backend.tensorflow import collectives
+from kerastower.errors import StrategyError
 
 __all__ = ["TowerStrategy"]
 
@@ -160,14 +166,13 @@ class TowerStrategy:
         """Whether `flag` (a bool) holds on every process."""
         return bool(flag)
 
-    def next_step(self, iterator, endless=False):
-        """Inside a step function: (whether any tower has a batch left, a
-        function giving this step's per-tower batches). Towers whose data has
-        run out while others' has not get an empty batch. `endless` (every
-        tower's input is endless, on every process) spares the processes
-        agreeing on whether any has data."""
-        optional = iterator.get_next_as_optional()
-        return optional.has_value(), optional.get_value
+    def any_process_has(self, has_data):
+        """Inside a step function: whether `has_data` (this process's bool
+        tensor: its towers have a batch left) holds on any process. The
+        step runs while it does (backend/tensorflow/feeding.py); a process
+        whose data ran out joins with empty batches. Return `has_data`
+        itself when no agreement is needed (one process)."""
+        return has_data
 
     def host_fed(self):
         """Whether per-tower pipelines feed the towers from host iterators:
@@ -177,8 +182,9 @@ class TowerStrategy:
             self.tf_strategy, tf.distribute.MirroredStrategy
         ) and not any("GPU" in d.upper() for d in self.tf_strategy.extended.worker_devices)
 
-    def distribute(self, dataset_fn, per_tower):
-        """Turns an input pipeline into a source of per-tower batches.
+    def place_input(self, dataset_fn, per_tower):
+        """Places an input pipeline on the towers: what a step takes its
+        per-tower batches from (`iter` of it, read by feeding.py).
 
         Args:
             dataset_fn: `fn(input_context)` returning a `tf.data.Dataset`;
@@ -200,6 +206,18 @@ class TowerStrategy:
                     dataset_fn, options
                 )
         return self.tf_strategy.distribute_datasets_from_function(dataset_fn)
+
+    def __init_subclass__(cls, **kwargs):
+        super().__init_subclass__(**kwargs)
+        renamed = {"distribute": "place_input", "next_step": "any_process_has"}
+        overridden = sorted(name for name in renamed if name in vars(cls))
+        if overridden:
+            raise StrategyError(
+                f"{cls.__name__} overrides {', '.join(overridden)}, which TowerStrategy "
+                "no longer has: a strategy only places, reduces and broadcasts. Override "
+                f"{', '.join(renamed[n] for n in overridden)} instead (place_input(dataset_fn, "
+                "per_tower) places the pipelines; any_process_has(has_data) agrees, inside "
+                "a step, whether any process has data left; kerastower takes the batches).")
 
     def __repr__(self):
         return f"TowerStrategy({self.name!r}, towers={self.num_towers})"

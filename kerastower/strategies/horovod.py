@@ -128,26 +128,11 @@ class HorovodStrategy(TowerStrategy):
     def all_agree(self, flag):
         return bool(self.hvd.allreduce(tf.constant(int(bool(flag))), op=self.hvd.Min))
 
-    def next_step(self, iterator, endless=False):
-        if endless:
-            return tf.constant(True), iterator.get_next
-        optional = iterator.get_next_as_optional()
-        mine = optional.has_value()
-        # A rank out of data must still join the step while another has some,
-        # or the allreduces would wait for it forever.
+    def any_process_has(self, has_data):
         collectives.note("all_reduce", 1)
-        anyone = self.hvd.allreduce(tf.cast(mine, tf.int32), op=self.hvd.Max) > 0
-        spec = iterator.element_spec
+        return self.hvd.allreduce(tf.cast(has_data, tf.int32), op=self.hvd.Max) > 0
 
-        def empty_batch():
-            return tf.nest.map_structure(
-                lambda s: tf.zeros([0 if d is None else d for d in [0] + s.shape.as_list()[1:]], s.dtype),
-                spec,
-            )
-
-        return anyone, lambda: tf.cond(mine, optional.get_value, empty_batch)
-
-    def distribute(self, dataset_fn, per_tower):
+    def place_input(self, dataset_fn, per_tower):
         context = tf.distribute.InputContext(
             num_input_pipelines=self.num_towers,
             input_pipeline_id=self.hvd.rank(),

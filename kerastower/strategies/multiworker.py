@@ -86,12 +86,12 @@ class MultiWorkerStrategy(TowerStrategy):
     def first_local_tower(self):
         return self.worker_index * self.local_towers
 
-    def next_step(self, iterator, endless=False):
-        if not endless:
-            # TensorFlow's distributed iterator agrees across workers whether
-            # any has data left (not for an endless input).
-            collectives.note("all_reduce", 1, self.first_local_tower())
-        return super().next_step(iterator, endless)
+    def any_process_has(self, has_data):
+        # TensorFlow's distributed iterator has agreed across workers
+        # already (`has_data` is whether any worker has data left, and a
+        # worker out of data gets empty batches): one collective of the step.
+        collectives.note("all_reduce", 1, self.first_local_tower())
+        return has_data
 
     def metrics_result(self, model):
         # One batched all-reduce of every metric's state (totals, counts),
@@ -160,7 +160,7 @@ class MultiWorkerStrategy(TowerStrategy):
         for offset, copy in enumerate(copies):
             copy.assign(value_fn(first + offset, main))
 
-    def distribute(self, dataset_fn, per_tower):
+    def place_input(self, dataset_fn, per_tower):
         if per_tower and self.local_towers > 1:
             raise StrategyError(
                 "Per-tower pipelines under \"multiworker\" need one device per worker "

@@ -17,6 +17,7 @@ from kerastower.backend.engine import Feed
 from kerastower.backend.engine import StepEngine
 from kerastower.backend.engine import StepRun
 from kerastower.backend.tensorflow import batch_checks
+from kerastower.backend.tensorflow import feeding
 from kerastower.backend.tensorflow.gradients import GradientPresence
 from kerastower.backend.tensorflow.tower_function import TowerFunctionRunner
 from kerastower.backend.tensorflow import step as tf_step
@@ -111,7 +112,7 @@ class TensorFlowEngine(StepEngine):
 
     def predict_step(self, iterator, step):
         try:
-            has_data, next_batches = self.model.tower_strategy.next_step(iterator)
+            has_data, next_batches = feeding.next_step(self.model.tower_strategy, iterator)
             if not bool(has_data):  # no tower has data left
                 return None
             return self.model.make_predict_function()(next_batches())
@@ -163,7 +164,7 @@ class TensorFlowEngine(StepEngine):
             compiled["sums"] = tf.function(step, input_signature=[signature])
         totals = None
         while True:
-            has_data, next_batches = strategy.next_step(iterator)
+            has_data, next_batches = feeding.next_step(strategy, iterator)
             if not bool(has_data):
                 break
             sums = tf.nest.map_structure(np.float64, compiled["sums"](next_batches()))

@@ -2,7 +2,7 @@
 
 One step of N towers:
 
-1. each tower takes its own batch (`strategy.next_step`) and runs the tower
+1. each tower takes its own batch (`feeding.next_step`) and runs the tower
    step (`train_step`, `test_step`, `predict_step`) under its TowerContext,
    which carries the tower's example count and its share `n_i / sum_j n_j`;
 2. the tower computes the gradient of ITS OWN mean loss, as on one device
@@ -27,6 +27,7 @@ import tensorflow as tf
 
 from kerastower import _compat
 from kerastower.backend.tensorflow import collectives
+from kerastower.backend.tensorflow import feeding
 from kerastower.backend.tensorflow import gradients
 from kerastower.backend.tensorflow import nonfinite
 from kerastower.backend.tensorflow import xla
@@ -263,7 +264,7 @@ def make_step_function(model, tower_step, mode):
         for _ in tf.range(num_steps):
             tf.autograph.experimental.set_loop_options(
                 shape_invariants=[(step_values, tf.TensorShape([None]))])
-            has_data, next_batches = strategy.next_step(iterator, endless)
+            has_data, next_batches = feeding.next_step(strategy, iterator, endless)
             if not has_data:
                 break
             reduced, tower_examples, per_tower = run_towers(next_batches())

@@ -1,16 +1,18 @@
 """kt.Trainer's feed on TensorFlow: what `next_batches()` takes from.
 
-A `kt.InputSource` or `tf.data.Dataset`, distributed by the strategy
-(inputs/sources.py): tower k of step s takes the source's batch s*N+k.
+A `kt.InputSource` or `tf.data.Dataset`, placed on the towers by the
+strategy (inputs/sources.py): tower k of step s takes the source's batch
+s*N+k, through `feeding.next_step`.
 """
 
+from kerastower.backend.tensorflow import feeding
 from kerastower.errors import InputSourceError
 
 __all__ = ["TensorFlowFeed"]
 
 
 class TensorFlowFeed:
-    """A `kt.InputSource` or `tf.data.Dataset`, distributed by the strategy."""
+    """A `kt.InputSource` or `tf.data.Dataset`, placed on the towers by the strategy."""
 
     def __init__(self, input, owner):
         from kerastower._tf import tf
@@ -32,7 +34,7 @@ class TensorFlowFeed:
 
     def next(self, strategy):
         """(one step's batches, examples by tower), or None at the input's end."""
-        has_data, batches = strategy.next_step(self.iterator)
+        has_data, batches = feeding.next_step(strategy, self.iterator)
         if not bool(has_data):
             return None
         batches = batches()
