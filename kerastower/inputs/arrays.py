@@ -101,9 +101,14 @@ class ArrayInput(DatasetInput):
         self.rows = ArrayRows(lengths.pop(), batch_size, shuffle)
         self._first_pass = 0
         super().__init__(self._gathered(self._index_batches()))
+        self._built_for = (0, self.rows.seed)
 
     def _tower_dataset(self, ctx):
-        return self._gathered(self._index_batches())
+        # Kept while the pass and seed stay: building traces the gather.
+        if self._built_for != (self._first_pass, self.rows.seed):
+            self._dataset = self._gathered(self._index_batches())
+            self._built_for = (self._first_pass, self.rows.seed)
+        return self._dataset
 
     def _tower_share(self, ctx, skip):
         return self._gathered(self._index_batches().skip(skip).shard(ctx.total, ctx.index))
@@ -111,30 +116,36 @@ class ArrayInput(DatasetInput):
     def _index_batches(self):
         """The row indices of every batch, from pass `_first_pass` on (one
         pass, or endless with `repeat`): one gather per batch then takes
-        the rows (`_gathered`), far cheaper than batching rows one by one."""
+        the rows (`_gathered`), far cheaper than batching rows one by one.
+        Kept while the pass and seed stay (the towers' shares read it)."""
+        key = (self._first_pass, self.rows.seed)
+        cached = getattr(self, "_index_cache", None)
+        if cached is None or cached[0] != key:
+            self._index_cache = (key, self._make_index_batches())
+        return self._index_cache[1]
+
+    def _make_index_batches(self):
         rows = self.rows
+        if not self._repeat:
+            # One pass: its order is known now. Batched as tf.data batches
+            # (its last batch may be short, so the batch size stays open and
+            # tf.distribute hands towers short of a batch empty ones).
+            return tf.data.Dataset.from_tensor_slices(rows.order(self._first_pass)).batch(rows.batch_size)
         full_batches, rest = divmod(rows.length, rows.batch_size)
+        lengths = [rows.batch_size] * full_batches + ([rest] if rest else [])
 
         def batches_of(pass_index):
             order = tf.numpy_function(rows.order, [pass_index], tf.int64, stateful=False)
             order = tf.ensure_shape(order, [rows.length])
-            whole = full_batches * rows.batch_size
-            batches = tf.data.Dataset.from_tensor_slices(
-                tf.reshape(order[:whole], [full_batches, rows.batch_size]))
-            if rest:
-                batches = batches.concatenate(tf.data.Dataset.from_tensors(order[whole:]))
-            return batches
+            if not rest:
+                return tf.reshape(order, [full_batches, rows.batch_size])
+            return tf.RaggedTensor.from_row_lengths(order, tf.constant(lengths, tf.int64))
 
-        if self._repeat:
-            # Endless, so every tower always gets a whole batch: a static
-            # batch size (when the passes divide evenly) spares the step
-            # reducing the towers' example counts.
-            return tf.data.Dataset.counter(self._first_pass).flat_map(batches_of)
-        # A pass may end with some towers short of a batch: a batch size
-        # left open tells tf.distribute to hand those towers empty batches.
-        return batches_of(tf.constant(self._first_pass, tf.int64)).map(
-            lambda batch: tf.compat.v1.placeholder_with_default(batch, [None])
-        ).apply(tf.data.experimental.assert_cardinality(rows.num_batches()))
+        # Endless, so every tower always gets a whole batch: a static batch
+        # size (when the passes divide evenly) spares the step reducing the
+        # towers' example counts. A pass's batches are one element, then
+        # unbatched: cheaper per step than a dataset per pass (flat_map).
+        return tf.data.Dataset.counter(self._first_pass).map(batches_of).unbatch()
 
     def _gathered(self, indices):
         arrays = tf.data.Dataset.from_tensors(self._element).repeat()
