@@ -54,9 +54,11 @@ def test_a_model_without_trainable_weights_trains_on_with_keras_warning():
             np.testing.assert_allclose(got[key], want[key], atol=1e-5, err_msg=f"{towers}: {key}")
 
 
-def _returning_values(base):
-    """keras.io's pattern (WGAN-GP's `{"d_loss": ..., "g_loss": ...}`): a
-    train_step that returns values it computed, not metrics."""
+def _hand_written_steps(base, returned, test_key):
+    """A subclass of `base` whose train_step computes a mean squared error
+    by hand and returns `returned(model, loss, y, predicted)` (its metrics
+    updated inside it on JAX too), and whose test_step returns that error
+    under `test_key`: Keras's custom-fit pattern, on either backend."""
     from shared_helpers import BACKEND
 
     class Model(base):
@@ -70,7 +72,12 @@ def _returning_values(base):
                     loss = keras.ops.mean((predicted - y) ** 2)
                 gradients = tape.gradient(loss, self.trainable_variables)
                 self.optimizer.apply(gradients, self.trainable_variables)
-                return {"my_loss": loss, "mean_output": keras.ops.mean(predicted)}
+                return returned(self, loss, y, predicted)
+
+            def test_step(self, data):
+                x, y = data
+                predicted = self(x, training=False)
+                return {test_key: keras.ops.mean((predicted - y) ** 2)}
         else:
             def train_step(self, state, data):
                 import jax
@@ -85,20 +92,27 @@ def _returning_values(base):
                 (loss, (predicted, non_trainable)), grads = jax.value_and_grad(
                     loss_fn, has_aux=True)(trainable)
                 trainable, optimizer_vars = self.optimizer.stateless_apply(optimizer_vars, grads, trainable)
-                logs = {"my_loss": loss, "mean_output": keras.ops.mean(predicted)}
+                with keras.StatelessScope(
+                        state_mapping=list(zip(self.metrics_variables, metrics))) as scope:
+                    logs = returned(self, loss, y, predicted)
+                metrics = [scope.get_current_value(v) for v in self.metrics_variables]
                 return logs, (trainable, non_trainable, optimizer_vars, metrics)
 
-        if BACKEND == "tensorflow":
-            def test_step(self, data):
-                x, y = data
-                predicted = self(x, training=False)
-                return {"my_loss": keras.ops.mean((predicted - y) ** 2)}
-        else:
             def test_step(self, state, data):
                 trainable, non_trainable, metrics = state
                 x, y = data
                 predicted, _ = self.stateless_call(trainable, non_trainable, x, training=False)
-                return {"my_loss": keras.ops.mean((predicted - y) ** 2)}, state
+                return {test_key: keras.ops.mean((predicted - y) ** 2)}, state
+
+    return Model
+
+
+def _returning_values(base):
+    """keras.io's pattern (WGAN-GP's `{"d_loss": ..., "g_loss": ...}`): a
+    train_step that returns values it computed, not metrics."""
+    Model = _hand_written_steps(
+        base, lambda model, loss, y, predicted: {"my_loss": loss, "mean_output": keras.ops.mean(predicted)},
+        "my_loss")
 
     keras.utils.set_random_seed(4)
     inputs = keras.Input((4,))
@@ -189,7 +203,6 @@ def _loss_by_hand(base, returned_keys):
     loss; "rmse", the compiled rmse's result, which it does update;
     "mean_output", a value naming no metric (issue 26). Its test_step
     returns `{"loss": loss}`."""
-    from shared_helpers import BACKEND
 
     def returned(model, loss, y, predicted):
         logs = {"loss": loss, "mean_output": keras.ops.mean(predicted)}
@@ -200,48 +213,7 @@ def _loss_by_hand(base, returned_keys):
             logs["rmse"] = model.get_metrics_result()["rmse"]
         return {key: logs[key] for key in returned_keys}
 
-    class Model(base):
-        if BACKEND == "tensorflow":
-            def train_step(self, data):
-                import tensorflow as tf
-
-                x, y = data
-                with tf.GradientTape() as tape:
-                    predicted = self(x, training=True)
-                    loss = keras.ops.mean((predicted - y) ** 2)
-                gradients = tape.gradient(loss, self.trainable_variables)
-                self.optimizer.apply(gradients, self.trainable_variables)
-                return returned(self, loss, y, predicted)
-
-            def test_step(self, data):
-                x, y = data
-                predicted = self(x, training=False)
-                return {"loss": keras.ops.mean((predicted - y) ** 2)}
-        else:
-            def train_step(self, state, data):
-                import jax
-
-                trainable, non_trainable, optimizer_vars, metrics = state
-                x, y = data
-
-                def loss_fn(trainable):
-                    predicted, updated = self.stateless_call(trainable, non_trainable, x, training=True)
-                    return keras.ops.mean((predicted - y) ** 2), (predicted, updated)
-
-                (loss, (predicted, non_trainable)), grads = jax.value_and_grad(
-                    loss_fn, has_aux=True)(trainable)
-                trainable, optimizer_vars = self.optimizer.stateless_apply(optimizer_vars, grads, trainable)
-                with keras.StatelessScope(
-                        state_mapping=list(zip(self.metrics_variables, metrics))) as scope:
-                    logs = returned(self, loss, y, predicted)
-                metrics = [scope.get_current_value(v) for v in self.metrics_variables]
-                return logs, (trainable, non_trainable, optimizer_vars, metrics)
-
-            def test_step(self, state, data):
-                trainable, non_trainable, metrics = state
-                x, y = data
-                predicted, _ = self.stateless_call(trainable, non_trainable, x, training=False)
-                return {"loss": keras.ops.mean((predicted - y) ** 2)}, state
+    Model = _hand_written_steps(base, returned, "loss")
 
     keras.utils.set_random_seed(5)
     inputs = keras.Input((4,))
