@@ -65,3 +65,38 @@ class StopAt(keras.callbacks.Callback):
     def on_train_batch_end(self, batch, logs=None):
         if self.model.loop.global_step >= self.step:
             raise Stop(self.step)
+
+
+def id_data(n, features=4, classes=3, seed=0):
+    """n examples whose first feature is the example id (numpy arrays)."""
+    import numpy as np
+
+    rng = np.random.default_rng(seed)
+    x = rng.normal(size=(n, features)).astype("float32")
+    x[:, 0] = np.arange(n)
+    y = rng.integers(0, classes, n).astype("int32")
+    return x, y
+
+
+def endless(x, y, batch):
+    """The batches of (x, y) in order, repeated without end: a Python
+    generator, which both backends take with steps_per_epoch."""
+    n = len(x) - len(x) % batch
+    while True:
+        for start in range(0, n, batch):
+            yield x[start:start + batch], y[start:start + batch]
+
+
+def mlp(features=4, classes=3, optimizer=None, **compile_kwargs):
+    """A compiled 4 -> 8 -> 3 TowerModel with accuracy, in the current strategy."""
+    inputs = keras.Input((features,))
+    h = keras.layers.Dense(8, activation="tanh")(inputs)
+    outputs = keras.layers.Dense(classes)(h)
+    model = kt.TowerModel(inputs, outputs)
+    model.compile(
+        optimizer=optimizer or keras.optimizers.SGD(0.1),
+        loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+        metrics=["accuracy"],
+        **compile_kwargs,
+    )
+    return model

@@ -11,16 +11,19 @@ import os
 
 import keras
 import pytest
-import tensorflow as tf
 
 import kerastower as kt
-from conftest import id_data, mlp
+
+from shared_helpers import endless
+from shared_helpers import id_data
+from shared_helpers import mlp
+from shared_helpers import two_towers  # noqa: F401  (a fixture)
 
 
 def _endless(n=32, batch=4):
     x, y = id_data(n)
     x[:, 0] = 0.0
-    return tf.data.Dataset.from_tensor_slices((x, y)).batch(batch).repeat()
+    return endless(x, y, batch)
 
 
 def _validation():
