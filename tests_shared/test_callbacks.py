@@ -4,10 +4,14 @@ import itertools
 
 import keras
 import pytest
-import tensorflow as tf
 
 import kerastower as kt
-from conftest import id_data, mlp
+
+from shared_helpers import endless
+from shared_helpers import id_data
+from shared_helpers import mlp
+from shared_helpers import tower_devices
+from shared_helpers import two_towers  # noqa: F401  (a fixture)
 
 
 class Recording(kt.callbacks.Callback):
@@ -41,7 +45,7 @@ class Recording(kt.callbacks.Callback):
 
 def _repeating(n=32, batch=4):
     x, y = id_data(n)
-    return tf.data.Dataset.from_tensor_slices((x, y)).batch(batch).repeat()
+    return endless(x, y, batch)
 
 
 def test_template_methods_run_in_order_with_the_loop_counters(two_towers):
@@ -175,28 +179,22 @@ def test_triggers_reject_bad_arguments():
     assert Recording().chief_only is True
 
 
-def test_chief_only_callbacks_do_not_run_on_other_processes():
-    """A strategy whose process is not the chief (as a Horovod rank > 0 will
-    be) runs the callbacks that are not chief_only, and Keras's."""
-
-    class NotChief(kt.TowerStrategy):
-        @property
-        def is_chief(self):
-            return False
-
-    kt.register_strategy("not_chief", lambda devices: NotChief("not_chief", tf.distribute.get_strategy()))
-    try:
-        with kt.distributed("not_chief"):
-            model = mlp()
-            chief_only, everywhere = Recording(), Recording()
-            everywhere.chief_only = False
-            keras_seen = []
-            keras_callback = keras.callbacks.LambdaCallback(
-                on_epoch_end=lambda e, logs: keras_seen.append(e))
-            model.fit(_repeating(), steps_per_epoch=2, epochs=1, verbose=0,
-                      callbacks=[chief_only, everywhere, keras_callback])
-    finally:
-        kt.strategies._REGISTRY.pop("not_chief")
+def test_chief_only_callbacks_do_not_run_on_other_processes(monkeypatch):
+    """A strategy whose process is not the chief (as a Horovod rank > 0, or
+    a JAX process other than 0, will be) runs the callbacks that are not
+    chief_only, and Keras's."""
+    with kt.distributed("mirrored", devices=tower_devices(2)) as strategy:
+        # The strategy's class (TowerStrategy, JaxTowerStrategy), for this test only.
+        monkeypatch.setattr(type(strategy), "is_chief", property(lambda self: False))
+        assert not strategy.is_chief
+        model = mlp()
+        chief_only, everywhere = Recording(), Recording()
+        everywhere.chief_only = False
+        keras_seen = []
+        keras_callback = keras.callbacks.LambdaCallback(
+            on_epoch_end=lambda e, logs: keras_seen.append(e))
+        model.fit(_repeating(), steps_per_epoch=2, epochs=1, verbose=0,
+                  callbacks=[chief_only, everywhere, keras_callback])
     assert chief_only.calls == []
     assert everywhere.calls[-1][0] == "after_train"
     assert keras_seen == [0]
