@@ -41,7 +41,7 @@ def test_every_test_the_reliability_table_cites_exists():
     with open(os.path.join(ROOT, "docs", "reliability.md")) as f:
         text = f.read()
     cited, current_file = [], None
-    for match in re.finditer(r"`(tests/[\w/]+\.py)?(::\w+)?`", text):
+    for match in re.finditer(r"`(tests(?:_shared|_jax)?/[\w/]+\.py)?(::\w+)?`", text):
         path, name = match.group(1), match.group(2)
         current_file = path or current_file
         if path and not name:

@@ -105,7 +105,8 @@ def mlp(features=4, classes=3, optimizer=None, **compile_kwargs):
 def tower_copies(variable):
     """What each tower holds of a Keras variable, as floats: the
     MirroredVariable's values on TensorFlow, the replicated array's shards
-    on JAX."""
+    on JAX (one value where it was assigned after the last step: the next
+    step puts it on every tower)."""
     if BACKEND == "tensorflow":
         return [float(v.numpy()) for v in variable.value.values]
     return [float(shard.data) for shard in variable.value.addressable_shards]
