@@ -1,5 +1,6 @@
-"""fit and kt.Trainer run one loop: the same hooks in the same order, the
-same counters; kt.Trainer runs without a model; the step engine's edges."""
+"""The step engine's edges on TensorFlow. (fit and kt.Trainer running one
+loop, the same hooks in the same order, and kt.Trainer without a model, are
+tested on both backends in tests_shared/test_trainers.py.)"""
 
 import keras
 import numpy as np
@@ -8,44 +9,6 @@ import tensorflow as tf
 
 import kerastower as kt
 from conftest import TWO
-from loop_cases import Hooks
-from loop_cases import check_counter_checkpoints_and_resumes
-from loop_cases import keras_recorder as _keras_recorder
-from loop_cases import check_trainer_hooks_match
-
-
-def _fit_events(fail_at=None):
-    events = []
-    with kt.distributed("mirrored", devices=TWO):
-        inputs = keras.Input((2,))
-        model = kt.TowerModel(inputs, keras.layers.Dense(1)(inputs))
-        model.compile(optimizer="sgd", loss="mse")
-        data = tf.data.Dataset.from_tensors((tf.ones([4, 2]), tf.ones([4, 1]))).repeat()
-        model.fit(data, steps_per_epoch=3, epochs=2, verbose=0,
-                  callbacks=[Hooks(events), _keras_recorder(events)])
-    return events
-
-
-def test_fit_and_trainer_call_the_hooks_in_the_same_order():
-    check_trainer_hooks_match(_fit_events(), TWO)
-
-
-def test_a_trainer_without_a_model_checkpoints_and_resumes_its_state(tmp_path):
-    check_counter_checkpoints_and_resumes(str(tmp_path / "ckpt"))
-
-
-def test_a_failing_step_runs_kt_after_train_but_not_keras_on_train_end():
-    events = []
-
-    class Failing(kt.Trainer):
-        def run_step(self):
-            raise RuntimeError("boom")
-
-    with pytest.raises(RuntimeError, match="boom"):
-        Failing().train(callbacks=[Hooks(events), _keras_recorder(events)],
-                        steps_per_epoch=2, verbose=0)
-    assert events[-1][0] == "after_train"
-    assert ("keras_train_end",) not in events
 
 
 def test_a_step_loss_scaling_skips_still_counts_as_a_global_step():

@@ -1,6 +1,7 @@
 """kt.Trainer on JAX: fit's loop and hooks, tower functions (each tower its
 own batch, reduced as on TensorFlow), optimizer steps averaged over towers,
-GAN trainers equal on N towers and one, checkpoints and exact resume."""
+GAN trainers equal on N towers and one, checkpoints and exact resume.
+(The loop and hooks both backends share: tests_shared/test_trainers.py.)"""
 
 import itertools
 
@@ -10,12 +11,8 @@ import numpy as np
 import pytest
 
 import kerastower as kt
-from loop_cases import Hooks
 from loop_cases import NoiseFromInput
 from loop_cases import NoiseProbe
-from loop_cases import check_counter_checkpoints_and_resumes
-from loop_cases import keras_recorder as _keras_recorder
-from loop_cases import check_trainer_hooks_match
 from loop_cases import tiny_gan
 
 ONE, TWO, FOUR = (jax.devices()[:n] for n in (1, 2, 4))
@@ -24,23 +21,6 @@ ONE, TWO, FOUR = (jax.devices()[:n] for n in (1, 2, 4))
 def endless(batches):
     """An endless generator over a list of batches."""
     return (batches[i % len(batches)] for i in itertools.count())
-
-
-def test_fit_and_the_trainer_call_the_hooks_in_the_same_order():
-    fit_events = []
-    with kt.distributed("mirrored", devices=TWO):
-        inputs = keras.Input((2,))
-        model = kt.TowerModel(inputs, keras.layers.Dense(1)(inputs))
-        model.compile(optimizer="sgd", loss="mse")
-        data = endless([(np.ones((4, 2), "float32"), np.ones((4, 1), "float32"))])
-        model.fit(data, steps_per_epoch=3, epochs=2, verbose=0,
-                  callbacks=[Hooks(fit_events), _keras_recorder(fit_events)])
-
-    check_trainer_hooks_match(fit_events, TWO)
-
-
-def test_a_trainer_without_a_model_checkpoints_and_resumes_its_state(tmp_path):
-    check_counter_checkpoints_and_resumes(str(tmp_path / "ckpt"))
 
 
 class Probe(kt.Trainer):
