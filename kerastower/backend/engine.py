@@ -134,6 +134,22 @@ class StepEngine:
         tower 0's first batch, so that no tower step creates one."""
         raise NotImplementedError
 
+    def place(self, source, pass_index=0, skip_batches=None):
+        """`source` on the towers: what a step takes its towers' batches from.
+
+        The input layer (kerastower/inputs/) has decided which batch each
+        tower takes: tower k of step s takes batch s*N+k. The engine places
+        those batches where its step reads them. Returns an iterable of
+        steps over pass `pass_index` (and the passes after it, for a source
+        made with `repeat`), less the `skip_batches` each tower took of it
+        before (a resumed run). TensorFlow places tf.data pipelines through
+        the strategy (`TowerStrategy.place_input`) and its step takes one
+        step's batches at a time (`backend/tensorflow/feeding.py`); JAX
+        gives each step's numpy batches, which its step puts on the towers'
+        devices (`backend/jax/placement.py`).
+        """
+        raise NotImplementedError
+
     # steps
 
     def fit_feed(self, source, steps_per_epoch, steps_per_call):
@@ -142,7 +158,7 @@ class StepEngine:
 
     def open_inference(self, source):
         """An iterator over one pass of `source` for evaluate or predict."""
-        raise NotImplementedError
+        return iter(self.place(source))
 
     def test_steps(self, iterator, num_steps, first_step):
         """Up to `num_steps` evaluation steps (`first_step`: the 0-based

@@ -73,6 +73,7 @@ class JaxEngine(StepEngine):
     def input_source(self, x, y=None, sample_weight=None, batch_size=None, shuffle=False,
                      repeat=False, method="fit", steps=None):
         source = jax_sources.tower_batches(x, y, sample_weight, batch_size, shuffle)
+        source.repeated = bool(repeat)
         if getattr(source, "shuffle_seed", None) is not None:
             source.shuffle_seed = self.model.tower_strategy.agree_on_seed(source.shuffle_seed)
         if not steps:
@@ -105,8 +106,15 @@ class JaxEngine(StepEngine):
     def fit_feed(self, source, steps_per_epoch, steps_per_call):
         return _Feed(self, source, steps_per_epoch, steps_per_call)
 
-    def open_inference(self, source):
-        return iter(source.one_pass(self.model.num_towers))
+    def place(self, source, pass_index=0, skip_batches=None):
+        """Each step's numpy batches, one per tower, of pass `pass_index` (and
+        the passes after it, for a source made with `repeat`): the step puts
+        them on the towers' devices. Every tower counts the steps, so a
+        resumed pass skips the most steps any tower took, whole."""
+        skip = max(skip_batches) if skip_batches else 0
+        if getattr(source, "repeated", False):
+            return source.endless(self.model.num_towers, first_pass=pass_index, skip_steps=skip)
+        return source.one_pass(self.model.num_towers, pass_index, skip_steps=skip)
 
     def test_steps(self, iterator, num_steps, first_step):
         run = StepRun()
@@ -144,7 +152,7 @@ class JaxEngine(StepEngine):
         are taken over the step's examples, in float64 across steps."""
         self.build_for(source)
         totals = None
-        for step in source.one_pass(self.model.num_towers):
+        for step in self.place(source):
             y_pred = self.run_towers("predict", step)   # the towers' outputs, in tower order
             _, y, sample_weight = (
                 None if parts[0] is None else keras.tree.map_structure(lambda *a: np.concatenate(a), *parts)
@@ -214,7 +222,7 @@ class _Feed(Feed):
         skip = max(skip_batches) if skip_batches else 0
         self.resumed_pass = None
         if self.endless:
-            self.iterator = self.source.endless(self.model.num_towers, skip_steps=skip)
+            self.iterator = iter(self.engine.place(self.source, skip_batches=skip_batches))
         elif skip:
             self.resumed_pass = list(skip_batches)
 
@@ -228,7 +236,7 @@ class _Feed(Feed):
         if self.resumed_pass is not None:
             loop.tower_batches, self.resumed_pass = self.resumed_pass, None
             skip = max(loop.tower_batches)
-        self.iterator = self.source.one_pass(self.model.num_towers, loop.epoch_num - 1, skip_steps=skip)
+        self.iterator = iter(self.engine.place(self.source, loop.epoch_num - 1, [skip]))
 
     def run(self, num_steps, loop):
         """Up to `num_steps` steps (`steps_per_execution`), in as few jitted

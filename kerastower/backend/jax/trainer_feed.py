@@ -25,13 +25,13 @@ class JaxFeed:
                 f"{type(input).__name__}. For numpy arrays, yield their batches: "
                 "(x[i:i + n] for i in itertools.cycle(range(0, len(x) - n + 1, n))).")
         self.source = jax_sources.tower_batches(input)
+        self.source.repeated = True   # an epoch is only a period: pass after pass
         self.iterator = None
 
     def open(self, engine, skip_batches):
         """Opens the input on `engine`'s towers, less the `skip_batches` each
         tower took before."""
-        skip = max(skip_batches) if skip_batches else 0
-        self.iterator = self.source.endless(engine.model.num_towers, skip_steps=skip)
+        self.iterator = iter(engine.place(self.source, skip_batches=skip_batches))
 
     def next(self, strategy):
         """(one step's batches, a `TowerBatches`; examples by tower), or None

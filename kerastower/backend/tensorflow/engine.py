@@ -1,9 +1,10 @@
 """The TensorFlow StepEngine: steps as `tf.function`s over `strategy.run`.
 
-Sources are InputSources (kerastower/inputs/sources.py), turned into
-per-tower iterators by `InputSource.distribute`; a step function
-(step.py) pulls one batch per tower per step and runs the model's tower
-step on it under its TowerContext.
+Sources are InputSources (kerastower/inputs/sources.py), placed on the
+towers by `place` (the strategy's `place_input` under each source's
+`distribute`); a step function (step.py) takes one batch per tower per
+step (feeding.py) and runs the model's tower step on it under its
+TowerContext.
 """
 
 import contextlib
@@ -96,12 +97,14 @@ class TensorFlowEngine(StepEngine):
     def fit_feed(self, source, steps_per_epoch, steps_per_call):
         return _Feed(self.model, source, steps_per_epoch)
 
-    def open_inference(self, source):
-        return iter(self.distribute(source))
-
-    def distribute(self, source, **kwargs):
-        """`source.distribute(strategy, **kwargs)`: the feeds it builds
+    def place(self, source, pass_index=0, skip_batches=None):
+        """The source's pipelines, placed on the towers by the strategy (a
+        distributed dataset: iterate it once per pass, unless the source is
+        pass-indexed, when each pass is placed afresh). The feeds it builds
         record their generators' errors into this engine's StepFailures."""
+        kwargs = {"skip_batches": skip_batches}
+        if getattr(source, "pass_indexed", False):
+            kwargs["pass_index"] = pass_index
         with self.failures.feeding():
             return source.distribute(self.model.tower_strategy, **kwargs)
 
@@ -145,7 +148,7 @@ class TensorFlowEngine(StepEngine):
         model = self.model
         strategy = model.tower_strategy
         self.build_for(source, with_targets=False)
-        iterator = iter(self.distribute(source))
+        iterator = iter(self.place(source))
         if compiled.get("sums") is None:
 
             def tower_sums(data):
@@ -244,16 +247,16 @@ class _Feed(Feed):
             # Every process must agree, or one would wait in a collective
             # the others skip.
             self.endless = strategy.all_agree(self.source.endless(strategy.num_towers))
-            self.distributed = self.model.engine.distribute(self.source, skip_batches=skip_batches)
+            self.distributed = self.model.engine.place(self.source, skip_batches=skip_batches)
             self.iterator = iter(self.distributed)
             return
         self.source.check_finite(strategy.num_towers)
         self.resumed_skip = None if skip_batches is None else list(skip_batches)
         if self.by_pass:
             return
-        self.distributed = self.model.engine.distribute(self.source)
+        self.distributed = self.model.engine.place(self.source)
         if skip_batches is not None:
-            self.resumed_pass = self.model.engine.distribute(self.source, skip_batches=skip_batches)
+            self.resumed_pass = self.model.engine.place(self.source, skip_batches=skip_batches)
         # Epoch e is the input's pass e-1, also in a resumed run: making
         # (and dropping) the iterators of the passes before puts a resumed
         # run at the same order.
@@ -266,8 +269,8 @@ class _Feed(Feed):
         skip, self.resumed_skip = self.resumed_skip, None
         loop.tower_batches = skip or [0] * self.model.num_towers
         if self.by_pass:
-            self.iterator = iter(self.model.engine.distribute(
-                self.source, skip_batches=skip, pass_index=loop.epoch_num - 1))
+            self.iterator = iter(self.model.engine.place(
+                self.source, pass_index=loop.epoch_num - 1, skip_batches=skip))
         elif skip is not None:
             self.iterator = iter(self.resumed_pass)
         else:

@@ -30,7 +30,7 @@ class TensorFlowFeed:
     def open(self, engine, skip_batches):
         """Opens the input on `engine`'s towers (its generators' errors go to
         the engine's record), less the `skip_batches` each tower took before."""
-        self.iterator = iter(engine.distribute(self.source, skip_batches=skip_batches))
+        self.iterator = iter(engine.place(self.source, skip_batches=skip_batches))
 
     def next(self, strategy):
         """(one step's batches, examples by tower), or None at the input's end."""
