@@ -12,6 +12,13 @@ kerastower holds them (backend/jax/sync.py says when):
 `synchronized_batchnorm_admitted` lets the layer be built,
 `synchronized_moments_routed` routes its moments to kerastower's, which
 reduce over the towers.
+
+Inside the towers' `shard_map`, JAX types every value as the same on all
+towers or as each tower's own, and `lax.scan` wants its carry's type not
+to change: a recurrent layer's initial state (zeros, the same everywhere)
+becomes each tower's own after one step, and Keras's JAX `rnn` fails.
+`rnn_initial_states_typed` hands Keras's `rnn` its initial states already
+typed as each tower's own while a tower's step is traced.
 """
 
 import functools
@@ -25,7 +32,7 @@ from kerastower._compat.required import _missing
 from kerastower._compat.required import require
 
 __all__ = ["require_function", "synchronized_moments_routed", "synchronized_batchnorm_admitted",
-           "current_stateless_scope", "inheriting_stateless_scope"]
+           "rnn_initial_states_typed", "current_stateless_scope", "inheriting_stateless_scope"]
 
 _MOMENTS = ("keras.src.backend.jax.nn", "moments")
 _STATELESS_SCOPE = ("keras.src.backend.common.stateless_scope", "get_stateless_scope")
@@ -99,6 +106,25 @@ def synchronized_batchnorm_admitted():
         return __init__
 
     return ScopedPatch(find_class, "__init__", accepting_synchronized)
+
+
+def rnn_initial_states_typed(typed):
+    """A `ScopedPatch`: while entered, Keras's `backend.rnn` (what every
+    recurrent layer calls) gets its initial states as `typed(state)`."""
+
+    def typed_states(original):
+        def rnn(step_function, inputs, initial_states, *args, **kwargs):
+            states = [typed(state) for state in initial_states]
+            return original(step_function, inputs, type(initial_states)(states)
+                            if isinstance(initial_states, (list, tuple)) else states, *args, **kwargs)
+        return rnn
+
+    def owner():
+        backend_module = importlib.import_module("keras.src.backend")
+        _parameter(require_function("keras.src.backend", "rnn"), "initial_states", "keras.src.backend.rnn")
+        return backend_module
+
+    return ScopedPatch(owner, "rnn", typed_states)
 
 
 def current_stateless_scope():

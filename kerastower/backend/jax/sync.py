@@ -42,15 +42,24 @@ def synchronized_over(axis_name):
 
     None: they do not reduce over any axis (the layer's own batch). Keras's
     moments are routed here while it is open: the engine opens it around
-    every tower step it traces, one tower included.
+    every tower step it traces, one tower included. Over an axis, recurrent
+    layers' initial states are typed as each tower's own (see
+    `_compat/on_jax.py`), as their carries become after one step.
     """
     saved = getattr(_local, "axis", None)
-    with _MOMENTS_ROUTED:
+    with _MOMENTS_ROUTED, (_RNN_STATES_TYPED if axis_name is not None else contextlib.nullcontext()):
         _local.axis = axis_name
         try:
             yield
         finally:
             _local.axis = saved
+
+
+def _each_towers_own(value):
+    """`value` typed as varying over the towers' axis, while one is traced."""
+    from kerastower.backend.jax.towers import varying
+
+    return value if getattr(_local, "axis", None) is None else varying(value)
 
 
 def moments(x, axes, keepdims, local_moments):
@@ -92,6 +101,7 @@ def moments(x, axes, keepdims, local_moments):
 # One ScopedPatch per Keras function, shared by every scope that enters it:
 # it counts how many hold it and puts Keras's own back when the last ends.
 _MOMENTS_ROUTED = jax_compat.synchronized_moments_routed(moments)
+_RNN_STATES_TYPED = jax_compat.rnn_initial_states_typed(_each_towers_own)
 # What a kt.distributed block enters on JAX: while it is open,
 # BatchNormalization(synchronized=True) builds and its moments are these.
 SYNCHRONIZED_BATCHNORM = PatchGroup([jax_compat.synchronized_batchnorm_admitted(), _MOMENTS_ROUTED])
