@@ -125,6 +125,11 @@ class HyperParamSetter(Callback):
     def _set(self):
         value = self._value_to_set()
         if value is not None:
+            run = self.training_run
+            if run is not None:
+                # On JAX the towers hold the state between steps: written
+                # back first, the variables are what the next step reads.
+                run.engine.sync_state()
             self.variable.assign(value)
         return value
 
