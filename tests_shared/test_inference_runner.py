@@ -9,7 +9,6 @@ import pytest
 
 import kerastower as kt
 
-from shared_helpers import BACKEND
 from shared_helpers import id_data
 from shared_helpers import tower_devices
 from shared_helpers import two_towers  # noqa: F401  (a fixture)
@@ -59,10 +58,6 @@ def test_runners_on_two_sources_equal_a_one_device_evaluation():
     assert expected["a_error"] == pytest.approx(1 - expected["a_accuracy"], abs=1e-6)
 
 
-@pytest.mark.xfail(BACKEND == "jax", strict=True, reason=(
-    "On JAX an InferenceRunner triggered on a model that fit or evaluate has not built yet "
-    "builds it symbolically with the compiled loss on the runner's labels: one-hot labels "
-    "under a sparse loss raise ValueError, although ClassificationError needs no loss."))
 def test_classification_error_with_one_hot_labels_and_weights(two_towers):
     x, y = id_data(30)
     x[:, 0] = 0.0

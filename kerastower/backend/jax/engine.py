@@ -150,7 +150,9 @@ class JaxEngine(StepEngine):
         """Each counter's sums over the source: every step's towers predict
         their own batches (data-parallel, each example once), and the sums
         are taken over the step's examples, in float64 across steps."""
-        self.build_for(source)
+        # An inferencer reads predictions only: the compiled loss and its
+        # labels play no part (one-hot labels under a sparse loss included).
+        self.build_for(source, with_targets=False)
         totals = None
         for step in self.place(source):
             y_pred = self.run_towers("predict", step)   # the towers' outputs, in tower order
