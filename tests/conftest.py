@@ -1,6 +1,7 @@
 """Shared set-up: 4 logical CPU devices, made before TensorFlow starts."""
 
 import os
+import sys
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
@@ -85,17 +86,6 @@ def mlp(recorder=None, features=4, classes=3, optimizer=None, **compile_kwargs):
     return model
 
 
-class Stop(Exception):
-    """Raised to interrupt training at a chosen step."""
-
-
-class StopAt(keras.callbacks.Callback):
-    """Interrupts training once global_step reaches `step`."""
-
-    def __init__(self, step):
-        super().__init__()
-        self.step = step
-
-    def on_train_batch_end(self, batch, logs=None):
-        if self.model.loop.global_step >= self.step:
-            raise Stop(f"stopped at {self.model.loop.global_step}")
+# The crash at a chosen step that tests/ and tests_shared/ both use.
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tests_shared"))
+from shared_helpers import Stop, StopAt  # noqa: E402,F401

@@ -9,6 +9,8 @@ import sys
 os.environ["KERAS_BACKEND"] = "jax"
 # tests/loop_cases.py is backend-neutral: the trainer tests of both backends share it.
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tests"))
+# tests_shared/shared_helpers.py: what the tests of both backends share (StopAt).
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tests_shared"))
 os.environ["XLA_FLAGS"] = (
     os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=4").strip()
 

@@ -17,20 +17,7 @@ import kerastower as kt
 SCRIPT = os.path.join(os.path.dirname(__file__), "resume_script_jax.py")
 
 
-class Stop(Exception):
-    """What StopAt raises: a crash at a chosen step."""
-
-
-class StopAt(keras.callbacks.Callback):
-    """Crashes training once global step `step` has run."""
-
-    def __init__(self, step):
-        super().__init__()
-        self.step = step
-
-    def on_train_batch_end(self, batch, logs=None):
-        if self.model.loop.global_step == self.step:
-            raise Stop(self.step)
+from shared_helpers import Stop, StopAt  # noqa: E402 (tests_jax/conftest.py puts it on the path)
 
 
 def _model():
