@@ -65,7 +65,6 @@ from kerastower.loop.main_loop import training_callbacks
 from kerastower.loop.run import TrainingRun
 from kerastower.callbacks.base import RunHooks
 from kerastower.checkpoint.training_state import training_optimizers
-from kerastower.strategies.switch import _on_jax
 from kerastower.trainers.feeds import feed_for
 from kerastower.trainers.tower_function import TowerFunction
 

@@ -32,8 +32,6 @@ import keras
 import numpy as np
 from jax.sharding import NamedSharding
 
-from kerastower import _compat
-from kerastower.backend.jax import sync as jax_sync
 from kerastower.backend.jax import towers as jax_towers
 from kerastower.backend.jax.towers import first_nonfinite_step
 from kerastower.backend.jax.placement import AXIS
@@ -265,17 +263,8 @@ class TowerSteps:
             return summed, self._on_every_tower(self.model.get_metrics_result())
 
     def _switch(self, branch, *args):
-        """`branch(index, *args)` for this device's tower, traced once per tower.
-
-        While the branches are traced, synchronized BatchNormalization's
-        moments sum over the towers (sync.py); one tower's are its batch's.
-        """
-        if self.num_towers == 1:
-            with jax_sync.synchronized_over(None):
-                return branch(0, *args)
-        branches = [functools.partial(branch, i) for i in range(self.num_towers)]
-        with jax_sync.synchronized_over(AXIS):
-            return jax.lax.switch(jax.lax.axis_index(AXIS), branches, *args)
+        """`branch(index, *args)` for this device's tower (towers.py)."""
+        return jax_towers.on_every_tower(branch, self.num_towers, *args)
 
     def _tower_context(self, index, is_training, examples=None):
         ctx = TowerContext(index, self.num_towers, is_training)

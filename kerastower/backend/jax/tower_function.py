@@ -30,10 +30,10 @@ import numpy as np
 from jax.sharding import NamedSharding
 
 from kerastower._compat import on_jax as jax_compat
-from kerastower.backend.jax import sync as jax_sync
 from kerastower.backend.jax.towers import all_finite
 from kerastower.backend.jax.towers import from_tower_0
 from kerastower.backend.jax.towers import mean_over_towers
+from kerastower.backend.jax.towers import on_every_tower
 from kerastower.backend.jax.towers import per_tower
 from kerastower.backend.jax.towers import seed_positions
 from kerastower.backend.jax.towers import seeded_apart
@@ -154,15 +154,9 @@ class TowerFunctionRunner(engine.TowerFunctionRunner):
             return self._tower(model, variables, seeds, changed, index, num_towers, state, args, kinds)
 
         def body(state, args):
-            if num_towers == 1:
-                with jax_sync.synchronized_over(None):  # Keras's moments routed: one tower's own
-                    new_state, outputs, weight, health = tower(0, state, args)
-            else:
+            if num_towers > 1:
                 state = per_tower(state, num_towers)
-                branches = [functools.partial(tower, i) for i in range(num_towers)]
-                with jax_sync.synchronized_over(AXIS):
-                    new_state, outputs, weight, health = jax.lax.switch(
-                        jax.lax.axis_index(AXIS), branches, state, args)
+            new_state, outputs, weight, health = on_every_tower(tower, num_towers, state, args)
             changed_indices = sorted(changed)
             new = dict(zip(changed_indices, from_tower_0([new_state[i] for i in changed_indices], num_towers)))
             return new, self._reduced(outputs, weight, num_towers), jnp.stack(health)[None]

@@ -2,20 +2,42 @@
 
 fit's step (step.py) and kt.Trainer's tower functions
 (tower_function.py) both run the towers as branches of one
-`shard_map` over the towers' mesh axis; both need each tower's own copy of
+`shard_map` over the towers' mesh axis, through one primitive
+(`on_every_tower`); both need each tower's own copy of
 the weights (so that their gradients are not summed), tower 0's values
 as everyone's, random seeds moved per tower, and NaN/Inf flags.
 """
+
+import functools
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 from kerastower import _compat
+from kerastower.backend.jax import sync as jax_sync
 from kerastower.backend.jax.placement import AXIS
 
-__all__ = ["varying", "per_tower", "from_tower_0", "seed_positions", "seeded_apart", "all_finite",
+__all__ = ["on_every_tower", "varying", "per_tower", "from_tower_0", "seed_positions", "seeded_apart", "all_finite",
            "first_nonfinite_step", "mean_over_towers"]
+
+
+def on_every_tower(branch, num_towers, *args):
+    """`branch(index, *args)` as this device's tower: where JAX runs a step on every tower.
+
+    Called inside the towers' `shard_map` (fit's, evaluate's and predict's
+    steps, and a tower function's), it traces `branch` once per tower and
+    runs this device's (`lax.switch` on the axis index). While the branches
+    are traced, synchronized BatchNormalization's moments sum over the
+    towers and recurrent layers' states are each tower's own (sync.py).
+    One tower runs its branch alone, its moments its batch's.
+    """
+    if num_towers == 1:
+        with jax_sync.synchronized_over(None):
+            return branch(0, *args)
+    branches = [functools.partial(branch, i) for i in range(num_towers)]
+    with jax_sync.synchronized_over(AXIS):
+        return jax.lax.switch(jax.lax.axis_index(AXIS), branches, *args)
 
 
 def mean_over_towers(gradients, weight=None):
