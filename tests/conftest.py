@@ -62,30 +62,13 @@ class Recorder(keras.layers.Layer):
             return tf.identity(x)
 
 
-def id_data(n, features=4, classes=3, seed=0):
-    """n examples whose first feature is the example id."""
-    rng = np.random.default_rng(seed)
-    x = rng.normal(size=(n, features)).astype("float32")
-    x[:, 0] = np.arange(n)
-    y = rng.integers(0, classes, n).astype("int32")
-    return x, y
-
-
-def mlp(recorder=None, features=4, classes=3, optimizer=None, **compile_kwargs):
-    inputs = keras.Input((features,))
-    h = recorder(inputs) if recorder is not None else inputs
-    h = keras.layers.Dense(8, activation="tanh")(h)
-    outputs = keras.layers.Dense(classes)(h)
-    model = kt.TowerModel(inputs, outputs)
-    model.compile(
-        optimizer=optimizer or keras.optimizers.SGD(0.1),
-        loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
-        metrics=["accuracy"],
-        **compile_kwargs,
-    )
-    return model
-
-
-# The crash at a chosen step that tests/ and tests_shared/ both use.
+# What tests/ and tests_shared/ both use: the crash at a chosen step, the
+# data whose first feature is the example id, the small model.
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tests_shared"))
-from shared_helpers import Stop, StopAt  # noqa: E402,F401
+from shared_helpers import Stop, StopAt, id_data  # noqa: E402,F401
+from shared_helpers import mlp as _shared_mlp  # noqa: E402
+
+
+def mlp(recorder=None, **kwargs):
+    """shared_helpers.mlp, with `recorder` (e.g. `IdRecorder`) after the input."""
+    return _shared_mlp(recorder=recorder, **kwargs)

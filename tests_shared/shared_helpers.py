@@ -87,10 +87,13 @@ def endless(x, y, batch):
             yield x[start:start + batch], y[start:start + batch]
 
 
-def mlp(features=4, classes=3, optimizer=None, **compile_kwargs):
-    """A compiled 4 -> 8 -> 3 TowerModel with accuracy, in the current strategy."""
+def mlp(features=4, classes=3, optimizer=None, recorder=None, **compile_kwargs):
+    """A compiled 4 -> 8 -> 3 TowerModel with accuracy, in the current strategy
+    (`recorder`: a layer, e.g. one noting each tower's example ids, put
+    after the input)."""
     inputs = keras.Input((features,))
-    h = keras.layers.Dense(8, activation="tanh")(inputs)
+    h = recorder(inputs) if recorder is not None else inputs
+    h = keras.layers.Dense(8, activation="tanh")(h)
     outputs = keras.layers.Dense(classes)(h)
     model = kt.TowerModel(inputs, outputs)
     model.compile(
