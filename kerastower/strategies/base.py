@@ -15,6 +15,8 @@ on JAX, jax_mesh.py holds the strategy of a device mesh. `kt.distributed`
 """
 
 
+import warnings
+
 from kerastower._tf import tf
 from kerastower import _compat
 from kerastower.backend.tensorflow import collectives
@@ -207,17 +209,43 @@ class TowerStrategy:
                 )
         return self.tf_strategy.distribute_datasets_from_function(dataset_fn)
 
+    # The input methods strategies had, kept for one release.
+
+    def distribute(self, dataset_fn, per_tower):
+        """Deprecated: `place_input` (the same arguments)."""
+        warnings.warn(
+            "TowerStrategy.distribute is now TowerStrategy.place_input; distribute will be "
+            "removed in the next release.", DeprecationWarning, stacklevel=2)
+        return self.place_input(dataset_fn, per_tower)
+
+    def next_step(self, iterator, endless=False):
+        """Deprecated: `kerastower.backend.tensorflow.feeding.next_step(strategy,
+        iterator, endless)`; a strategy now only agrees whether any process
+        has data left (`any_process_has`)."""
+        warnings.warn(
+            "TowerStrategy.next_step moved to kerastower.backend.tensorflow.feeding.next_step"
+            "(strategy, iterator, endless); it will be removed from TowerStrategy in the next "
+            "release.", DeprecationWarning, stacklevel=2)
+        from kerastower.backend.tensorflow import feeding
+
+        return feeding.next_step(self, iterator, endless)
+
     def __init_subclass__(cls, **kwargs):
         super().__init_subclass__(**kwargs)
-        renamed = {"distribute": "place_input", "next_step": "any_process_has"}
-        overridden = sorted(name for name in renamed if name in vars(cls))
-        if overridden:
+        if "next_step" in vars(cls):
+            # kerastower no longer calls it: what it did would be skipped.
             raise StrategyError(
-                f"{cls.__name__} overrides {', '.join(overridden)}, which TowerStrategy "
-                "no longer has: a strategy only places, reduces and broadcasts. Override "
-                f"{', '.join(renamed[n] for n in overridden)} instead (place_input(dataset_fn, "
-                "per_tower) places the pipelines; any_process_has(has_data) agrees, inside "
-                "a step, whether any process has data left; kerastower takes the batches).")
+                f"{cls.__name__} overrides next_step, which kerastower no longer calls: a "
+                "strategy only places, reduces and broadcasts, and kerastower takes each "
+                "step's batches itself. Override any_process_has(has_data) instead: inside a "
+                "step, whether any process has data left (this process's bool tensor in, "
+                "the agreed one out).")
+        if "distribute" in vars(cls) and "place_input" not in vars(cls):
+            warnings.warn(
+                f"{cls.__name__} overrides TowerStrategy.distribute, which is now place_input: "
+                "it is used as place_input for one release; rename it.",
+                DeprecationWarning, stacklevel=2)
+            cls.place_input = vars(cls)["distribute"]
 
     def __repr__(self):
         return f"TowerStrategy({self.name!r}, towers={self.num_towers})"
