@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Runs the equivalence tests on the oldest Keras / TensorFlow pair kerastower
+# Runs the equivalence and shared loop tests on the oldest Keras / TensorFlow pair kerastower
 # supports (pyproject.toml's lower bounds), in a virtual environment of its
 # own, cached so that later runs take seconds to set up.
 #
@@ -26,4 +26,5 @@ fi
 say "$("$venv/bin/python" -c 'import keras, tensorflow as tf; print(f"Keras {keras.__version__}, TensorFlow {tf.__version__}")')"
 "$venv/bin/python" -c 'import jax' 2>/dev/null && { say "JAX is installed in $venv, which must have TensorFlow only" >&2; exit 1; }; say "import jax fails: these tests run the TensorFlow path without JAX installed."
 "$venv/bin/python" -m pytest -q -p no:cacheprovider \
-  tests/test_equivalence_matrix.py tests/test_equivalence.py tests/test_one_engine.py
+  tests/test_equivalence_matrix.py tests/test_equivalence.py tests/test_one_engine.py \
+  tests_shared/test_trainers.py
