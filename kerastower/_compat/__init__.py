@@ -66,6 +66,17 @@ def train_validation_split(arrays, validation_split):
     return fn(arrays, validation_split=validation_split)
 
 
+def py_dataset_adapter(dataset):
+    """Keras's own reader of a `keras.utils.PyDataset`: its worker threads or
+    processes, queue and `on_epoch_begin`/`on_epoch_end`, in index order."""
+    adapter_class = require("keras.src.trainers.data_adapters.py_dataset_adapter",
+                            "PyDatasetAdapter")
+    adapter = adapter_class(dataset, shuffle=False)
+    for name in ("on_epoch_begin", "on_epoch_end", "get_numpy_iterator"):
+        _method(adapter, name)
+    return adapter
+
+
 def print_msg(message):
     require("keras.src.utils.io_utils", "print_msg")(message)
 

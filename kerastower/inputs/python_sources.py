@@ -2,8 +2,9 @@
 
 Holds the sources: generators, iterables, `keras.utils.PyDataset`s (and, on
 JAX, `tf.data.Dataset`s, as Keras reads them there: as an iterable of numpy
-batches), as `GeneratorBatches` and `PyDatasetBatches`, and `read_ahead`,
-which reads a PyDataset by worker threads or processes as Keras does.
+batches), as `GeneratorBatches` and `PyDatasetBatches`. A PyDataset is read
+by Keras's own reader (its `PyDatasetAdapter`: worker threads or processes,
+the queue, the epoch hooks), given each pass's batches in kerastower's order.
 
 tensorpack's tower semantics, as for numpy arrays: nothing is split, every
 tower takes whole batches of its own, and the towers share the source,
@@ -31,16 +32,14 @@ Examples:
     [[0.0, 1.0], [2.0, 3.0], [4.0]]
 """
 
-import collections
 import collections.abc
-import concurrent.futures
 import itertools
-import multiprocessing
 import operator
 
 import keras
 import numpy as np
 
+from kerastower import _compat
 from kerastower.errors import InputSourceError
 from kerastower.inputs.dealing import joined
 from kerastower.inputs.dealing import numbered_steps
@@ -49,7 +48,7 @@ from kerastower.inputs.dealing import standardized
 from kerastower.inputs.dealing import TowerDealer  # noqa: F401
 from kerastower.inputs.dealing import deal  # noqa: F401
 
-__all__ = ["GeneratorBatches", "PyDatasetBatches", "python_batches", "is_batched", "read_ahead"]
+__all__ = ["GeneratorBatches", "PyDatasetBatches", "python_batches", "is_batched"]
 
 
 def is_batched(x):
@@ -207,58 +206,42 @@ class GeneratorBatches(_Batches):
                 return
 
 
-def read_ahead(read, indices, workers, window, processes_of=None):
-    """`read(i)` for each of `indices`, in order, by `workers` threads (or,
-    with `processes_of` a PyDataset, forked processes, each holding that
-    dataset, where `read` must be picklable) that keep up to `window`
-    batches read ahead, as Keras reads a PyDataset.
+class _PassOfDataset(keras.utils.PyDataset):
+    """One pass of a PyDataset, in kerastower's order from position `skip`
+    on, as a PyDataset for Keras's reader: its batch j is the dataset's batch
+    `order[skip + j]` (`skip + j` without an order: the dataset never ends),
+    read with the dataset's workers; `on_epoch_begin` is the dataset's, and
+    its `on_epoch_end` too once the pass is `complete`."""
 
-    Examples:
-        >>> list(read_ahead(lambda i: i * i, range(5), workers=2, window=3))
-        [0, 1, 4, 9, 16]
-    """
-    pending = collections.deque()
-    indices = iter(indices)
-    if processes_of is not None:
-        # Forked, as Keras forks its PyDataset workers: the dataset is
-        # inherited, not pickled (`_read_in_worker` reads it).
-        pool = concurrent.futures.ProcessPoolExecutor(
-            workers, mp_context=multiprocessing.get_context("fork"),
-            initializer=_hold_in_worker, initargs=(processes_of,))
-    else:
-        pool = concurrent.futures.ThreadPoolExecutor(workers, thread_name_prefix="kt-pydataset")
-    with pool:
-        try:
-            for index in itertools.islice(indices, window):
-                pending.append(pool.submit(read, index))
-            while pending:
-                batch = pending.popleft().result()
-                for index in itertools.islice(indices, 1):
-                    pending.append(pool.submit(read, index))
-                yield batch
-        finally:  # the consumer stopped early: what is still queued is not read
-            for future in pending:
-                future.cancel()
+    def __init__(self, source, order, skip):
+        dataset = source._dataset
+        super().__init__(workers=dataset.workers, use_multiprocessing=dataset.use_multiprocessing,
+                         max_queue_size=dataset.max_queue_size)
+        self._source, self._order, self._skip = source, order, skip
+        self.complete = False
 
+    @property
+    def num_batches(self):
+        return None if self._order is None else max(len(self._order) - self._skip, 0)
 
-# In a worker process: the PyDataset it reads.
-_WORKER_DATASET = None
+    def __getitem__(self, position):
+        position += self._skip
+        return self._source._read(position if self._order is None else self._order[position])
 
+    def on_epoch_begin(self):
+        self._source._dataset.on_epoch_begin()
 
-def _hold_in_worker(dataset):
-    global _WORKER_DATASET
-    _WORKER_DATASET = dataset
-
-
-def _read_in_worker(index):
-    return _WORKER_DATASET[index]
+    def on_epoch_end(self):
+        if self.complete:
+            self.complete = False  # once
+            self._source._dataset.on_epoch_end()
 
 
 class PyDatasetBatches(_Batches):
     """A `keras.utils.PyDataset`: tower k of step s takes batch `s * N + k` of
-    the pass; with `workers > 1`, that many threads (processes, with
-    `use_multiprocessing`, forked as Keras forks them) read up to
-    `max_queue_size` batches ahead.
+    the pass. Keras's own reader reads it: with `workers > 1`, that many
+    threads (processes, with `use_multiprocessing`) read up to
+    `max_queue_size` batches ahead, exactly as in stock Keras's fit.
 
     A pass is `len(ds)` batches, `ceil(len(ds) / N)` steps, between
     `on_epoch_begin()` and `on_epoch_end()`. `shuffle` (fit's, as Keras)
@@ -300,7 +283,9 @@ class PyDatasetBatches(_Batches):
         count = count if self.never_ends else min(count, self.length)
         while len(self._first) < count:
             self._first.append(self._dataset[len(self._first)])
-        return [standardized(batch, i) for i, batch in enumerate(self._first[:count])]
+        # A bare array is `(x,)`, as Keras's reader hands it on.
+        return [standardized((batch,) if isinstance(batch, np.ndarray) else batch, i)
+                for i, batch in enumerate(self._first[:count])]
 
     def first_batch(self):
         """Batch 0."""
@@ -323,29 +308,26 @@ class PyDatasetBatches(_Batches):
         return np.random.default_rng([self.shuffle_seed, pass_index]).permutation(self.length).tolist()
 
     def _pass(self, pass_index, skip=0):
-        self._dataset.on_epoch_begin()
-        last = -1 if self.never_ends else self.length - 1
-        # Positions taken before a resume are not read again.
-        positions = itertools.islice(enumerate(self._order(pass_index)), skip, None)
-        workers = int(getattr(self._dataset, "workers", 1) or 1)
-        window = max(int(getattr(self._dataset, "max_queue_size", 10) or 10), workers)
-        if workers > 1 and getattr(self._dataset, "use_multiprocessing", False):
-            self._first = []
-            positions, indices = itertools.tee(positions)
-            batches = read_ahead(_read_in_worker, (i for _, i in indices), workers, window,
-                                 processes_of=self._dataset)
-            positions = zip((p for p, _ in positions), batches)
-        elif workers > 1:
-            read = lambda item: (item[0], self._read(item[1]))  # noqa: E731
-            positions = read_ahead(read, positions, workers, window)
-        else:
-            positions = ((position, self._read(index)) for position, index in positions)
-        for position, batch in positions:
-            if position == last:
-                self._dataset.on_epoch_end()
-            yield batch
-        if self.length == 0:
-            self._dataset.on_epoch_end()
+        # Read by Keras's own PyDataset reader (its worker threads or
+        # processes and queue), given the pass's batches in our order.
+        this_pass = _PassOfDataset(self, None if self.never_ends else self._order(pass_index), skip)
+        if self._dataset.use_multiprocessing:
+            self._first = []  # a forked worker's copy would be stale next pass
+        adapter = _compat.py_dataset_adapter(this_pass)
+        adapter.on_epoch_begin()
+        last = None if self.never_ends else this_pass.num_batches - 1
+        try:
+            for position, batch in enumerate(adapter.get_numpy_iterator()):
+                if position == last:
+                    this_pass.complete = True
+                    adapter.on_epoch_end()
+                yield batch
+            if self.length == 0:
+                this_pass.complete = True
+        finally:
+            # A pass stopped early stops Keras's reader; the dataset's own
+            # on_epoch_end waits for a pass that reached its end.
+            adapter.on_epoch_end()
 
     def _pass_items(self, pass_index=0, skip=0):
         # `on_epoch_begin()` before the pass's first batch is read,
