@@ -224,6 +224,31 @@ def _loss_by_hand(base, returned_keys):
     return model
 
 
+class _BatchLogs(keras.callbacks.Callback):
+    """The logs batch callbacks get, in fit and in evaluate."""
+
+    def __init__(self):
+        super().__init__()
+        self.train, self.test = [], []
+
+    def on_train_batch_end(self, batch, logs=None):
+        self.train.append(dict(logs))
+
+    def on_test_batch_end(self, batch, logs=None):
+        self.test.append(dict(logs))
+
+    def assert_close(self, want, towers):
+        for got_logs, want_logs, phase in ((self.train, want.train, "train"),
+                                           (self.test, want.test, "test")):
+            assert len(got_logs) == len(want_logs), (towers, phase)
+            for step, (got, expected) in enumerate(zip(got_logs, want_logs)):
+                assert sorted(got) == sorted(expected), (towers, phase, step)
+                for key in expected:
+                    np.testing.assert_allclose(
+                        got[key], expected[key], atol=1e-5,
+                        err_msg=f"{towers} towers, {phase} batch {step}: {key}")
+
+
 @pytest.mark.parametrize("returned_keys", [
     ("loss",), ("loss", "mean_output"), ("loss", "rmse"), ("loss", "rmse", "mean_output"),
 ], ids="+".join)
@@ -242,8 +267,11 @@ def test_a_raw_value_under_a_metrics_key_is_logged_as_keras_logs_it(returned_key
     8 runs on tower 0 alone, with its own running rmse."""
     x, y = _data(examples, seed=6)
     stock = _loss_by_hand(keras.Model, returned_keys)
-    want = stock.fit(x, y, batch_size=16, epochs=3, shuffle=False, verbose=0).history
-    want_evaluated = stock.evaluate(x, y, batch_size=16, return_dict=True, verbose=0)
+    want_batches = _BatchLogs()
+    want = stock.fit(x, y, batch_size=16, epochs=3, shuffle=False, verbose=0,
+                     callbacks=[want_batches]).history
+    want_evaluated = stock.evaluate(x, y, batch_size=16, return_dict=True, verbose=0,
+                                    callbacks=[want_batches])
     assert sorted(want) == sorted(returned_keys)
     # Keras's own rule, which this test holds kerastower to.
     metric_keys = {"loss", "rmse"} & set(returned_keys) | {"loss"}
@@ -252,11 +280,16 @@ def test_a_raw_value_under_a_metrics_key_is_logged_as_keras_logs_it(returned_key
     for towers in (1, 2):
         with kt.distributed("mirrored", devices=tower_devices(towers)):
             model = _loss_by_hand(kt.TowerModel, returned_keys)
-        got = model.fit(x, y, batch_size=16 // towers, epochs=3, shuffle=False, verbose=0).history
+        got_batches = _BatchLogs()
+        got = model.fit(x, y, batch_size=16 // towers, epochs=3, shuffle=False, verbose=0,
+                        callbacks=[got_batches]).history
         assert sorted(got) == sorted(want), towers
         for key in want:
             np.testing.assert_allclose(got[key], want[key], atol=1e-5, err_msg=f"{towers}: {key}")
-        evaluated = model.evaluate(x, y, batch_size=16 // towers, return_dict=True, verbose=0)
+        evaluated = model.evaluate(x, y, batch_size=16 // towers, return_dict=True, verbose=0,
+                                   callbacks=[got_batches])
+        # Batch callbacks get what the step returned, as Keras hands it to them.
+        got_batches.assert_close(want_batches, towers)
         assert sorted(evaluated) == sorted(want_evaluated), towers
         np.testing.assert_allclose(evaluated["loss"], want_evaluated["loss"], atol=1e-5,
                                    err_msg=str(towers))

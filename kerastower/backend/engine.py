@@ -33,7 +33,11 @@ class StepRun:
         taken: steps whose batches were taken from the input (a failed
             step's included).
         done: steps whose update was applied (`taken`, less a failed one).
-        logs: the metrics after the last step, read across this process's towers.
+        logs: the metrics after the last step, read across this process's
+            towers, or what a user's step returned (`backend/step_values.py`).
+        final_logs: None, or what the end of the epoch (or of evaluate)
+            logs after these steps where it is not `logs`: the metrics, when
+            the step returned exactly their keys, as Keras.
         tower_batches: batches each tower took, in tower order.
         examples: examples all towers took.
         tower_examples: each tower's examples in the first step (the total
@@ -46,6 +50,7 @@ class StepRun:
     taken: int = 0
     done: int = 0
     logs: dict = dataclasses.field(default_factory=dict)
+    final_logs: dict = None
     tower_batches: list = dataclasses.field(default_factory=list)
     examples: int = 0
     tower_examples: list = None

@@ -9,16 +9,21 @@ A step that returns only such values logs only them (the compiled loss
 tracker, which nothing updated, does not appear). A value that is not a
 scalar cannot be reduced that way and is left out, with a warning.
 
-A step may also return a value under a metric's own key. Keras's fit and
-evaluate log the metrics' results when the step returned exactly their
-keys (`Trainer._get_metrics_result_or_logs`), and otherwise what the step
-returned. So does kerastower, when it is given the tower's metrics
-(`results`): where the keys differ, a value under a metric's key is that
-metric when it equals the metric's own result in every tower (then the
-metric's exact cross-tower result is logged), and a raw value when it does
-not in some tower, such as `{"loss": loss}` computed by hand beside a loss
-tracker it never updated (then the towers' mean is logged, as above); and
-a metric the step did not return is not logged.
+A step may also return a value under a metric's own key. Keras hands its
+batch callbacks what the step returned; at the end of an epoch (and of
+evaluate) it logs the metrics' results when the step returned exactly
+their keys (`Trainer._get_metrics_result_or_logs`), and otherwise what the
+step returned. So does kerastower, when it is given the tower's metrics
+(`results`): a value under a metric's key is that metric when it equals
+the metric's own result in every tower (then the metric's exact
+cross-tower result is logged), and a raw value when it does not in some
+tower, such as `{"loss": loss}` computed by hand beside a loss tracker it
+never updated (then the towers' mean is logged, as above); a metric the
+step did not return is not logged; and where the step returned exactly
+the metrics' keys, the end's logs (`final_logs`) are the metrics'
+results. Keras's and kerastower's own steps return their metrics'
+results by construction: for them (`own_step`) nothing is told apart, so
+they add no all-reduce.
 
 This module picks the values and names them in the logs; each backend
 reduces them inside its step (`backend/tensorflow/step_values.py`: one
@@ -29,7 +34,7 @@ import warnings
 
 import keras
 
-__all__ = ["StepValues", "flat_results"]
+__all__ = ["StepValues", "flat_results", "is_own_step"]
 
 # How far (relative) a returned value may be from the metric's own result
 # and still be that result: recomputed outside an XLA-compiled step, the
@@ -47,6 +52,13 @@ def flat_results(results):
         else:
             flat[name] = result
     return flat
+
+
+def is_own_step(model, name):
+    """Whether `model`'s step `name` ("train_step", "test_step") is Keras's
+    or kerastower's own, which returns the metrics' results, not a user's."""
+    module = getattr(getattr(type(model), name, None), "__module__", None) or ""
+    return module.startswith(("keras.", "kerastower."))
 
 
 def differs(returned, result):
@@ -84,12 +96,14 @@ class StepValues:
         ['loss']
     """
 
-    def __init__(self, step_name):
+    def __init__(self, step_name, own_step=False):
         self.step_name = step_name
+        self.own_step = own_step    # Keras's or kerastower's step: it returns the metrics
         self.keys = []              # the scalar values' keys, in order
         self.checked = []           # scalars under a metric's key, told apart at run time
         self.kept = None            # the metrics' keys logged as read; None: every one
         self.metrics_returned = True
+        self.ends_with_metrics = False  # exactly the metrics' keys: the end logs the metrics
 
     def pick(self, outputs, metric_keys, results=None):
         """The keys of `outputs` (what the step returned) that are scalar
@@ -105,14 +119,16 @@ class StepValues:
                 f"kerastower: {self.step_name} returned {others}, which are neither metrics "
                 "nor scalars: they cannot be averaged over the towers and are not logged. "
                 "Return scalars, or track such values with a keras.metrics.Metric.")
-        self.checked, self.kept = [], None
-        flat = None if results is None else flat_results(results)
-        if flat is None or not outputs or set(outputs) == set(flat):
-            # Exactly the metrics' keys: Keras logs the metrics' results.
+        self.checked, self.kept, self.ends_with_metrics = [], None, False
+        flat = None if results is None or self.own_step else flat_results(results)
+        if flat is None or not outputs:
             self.metrics_returned = not outputs or len(extra) < len(outputs)
             return self.keys
         self.metrics_returned = False
         self.kept = []
+        # Exactly the metrics' keys: batch callbacks get what the step
+        # returned, the end of the epoch the metrics' results.
+        self.ends_with_metrics = set(outputs) == set(flat)
         for key in outputs:
             if key in extra:
                 continue
@@ -134,6 +150,12 @@ class StepValues:
     def size(self):
         """The length of a tower's vector (`local`)."""
         return len(self.keys) + 2 * len(self.checked) + 1
+
+    def final_logs(self, logs):
+        """What the end of an epoch (or of evaluate) logs after this step,
+        where it is not the step's logs: the metrics' `logs`, when the step
+        returned exactly their keys (as Keras); else None."""
+        return dict(logs) if self.ends_with_metrics else None
 
     def logs(self, logs, values):
         """The step's logs: the metrics `logs` (unless the step returned only

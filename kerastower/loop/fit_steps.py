@@ -42,6 +42,7 @@ class FitSteps(Iteration):
         self.verbose = verbose
         self.steps_per_call = model.steps_per_execution
         self.logs = {}
+        self.final_logs = None  # StepRun.final_logs of the last steps
         self._announced = False
         self.failure = None
         terminate_on_nan = [
@@ -71,7 +72,7 @@ class FitSteps(Iteration):
         if run.taken:
             # The step function's logs are the metrics read across towers
             # (and processes); the model's own read would be this process's.
-            self.logs = run.logs
+            self.logs, self.final_logs = run.logs, run.final_logs
             taken = np.asarray(self.loop.tower_batches, np.int64) + np.asarray(run.tower_batches, np.int64)
             self.loop.tower_batches = taken.tolist()
             self.loop.examples_seen += run.examples
@@ -130,7 +131,10 @@ class FitSteps(Iteration):
         return logs
 
     def _logs_of_every_tower(self):
-        return self.model.engine.logs_of_every_tower(self.logs)
+        # As Keras's `_get_metrics_result_or_logs`: the metrics, where the
+        # step returned exactly their keys (StepRun.final_logs).
+        logs = self.logs if self.final_logs is None else self.final_logs
+        return self.model.engine.logs_of_every_tower(logs)
 
     def finish(self):
         model = self.model

@@ -23,7 +23,7 @@ def evaluate_loop(model, source, steps, callbacks):
     model.stop_evaluating = False
     callbacks.on_test_begin()
     model.reset_metrics()
-    logs, step = {}, 0
+    logs, final_logs, step = {}, None, 0
     # A source of known length ends after its last step, as in Keras.
     limit = steps or source.steps(model.num_towers)
     while not limit or step < limit:
@@ -31,7 +31,7 @@ def evaluate_loop(model, source, steps, callbacks):
         callbacks.on_test_batch_begin(step)
         run = engine.test_steps(iterator, want, step)
         if run.done:
-            logs = run.logs
+            logs, final_logs = run.logs, run.final_logs
             step += run.done
             callbacks.on_test_batch_end(step - 1, logs)
         if run.done < want or model.stop_evaluating:
@@ -42,7 +42,8 @@ def evaluate_loop(model, source, steps, callbacks):
             "already used up), so there is nothing to measure. Pass data with at "
             "least one example."
         )
-    logs = _compat.pythonify_logs(engine.logs_of_every_tower(logs))
+    # As Keras's `_get_metrics_result_or_logs` (StepRun.final_logs).
+    logs = _compat.pythonify_logs(engine.logs_of_every_tower(logs if final_logs is None else final_logs))
     callbacks.on_test_end(logs)
     return logs
 

@@ -123,6 +123,7 @@ class JaxEngine(StepEngine):
             if tower_batches is None:
                 break
             run.logs = self.run_towers("test", tower_batches)
+            run.final_logs = self.tower_steps(len(tower_batches)).final_logs
             run.taken += 1
             run.done += 1
         return run
@@ -253,6 +254,7 @@ class _Feed(Feed):
             if not steps:
                 break
             run.logs, finite = self.engine.run_towers("train", steps, placed)
+            run.final_logs = self.engine.tower_steps(len(steps[0])).final_logs
             self._ahead = self._read_ahead(self._next_call_steps(num_steps, run.done + len(steps)))
             failed = jax_step.first_nonfinite_step(finite)  # waits for the steps
             done = len(steps) if failed is None else failed[0]

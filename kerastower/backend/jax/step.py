@@ -93,6 +93,7 @@ class TowerSteps:
         self.check_finite = check_finite
         self.step_values = StepValues(model, "train_step")
         self.test_values = StepValues(model, "test_step")
+        self.final_logs = None  # the last step's `StepRun.final_logs`
         self._functions = {}
         self._tower_metrics = None
         self._summed_metrics = None  # their sum over the towers, replicated
@@ -201,6 +202,7 @@ class TowerSteps:
         self._held = None  # donated to the step
         (*held, metrics), self._summed_metrics, logs, finite, values = function(state, data)
         self._held, self._tower_metrics = tuple(held), metrics
+        self.final_logs = self.step_values.final_logs(logs)
         logs = self.step_values.logs(logs, values)
         # Unchecked, nothing waits for the steps: the next call is
         # dispatched while they run.
@@ -214,6 +216,7 @@ class TowerSteps:
         metrics, self._summed_metrics, logs, values = function(state, self.place(batches))
         self._tower_metrics = metrics
         self._write_back(model.metrics_variables, self._summed_metrics)
+        self.final_logs = self.test_values.final_logs(logs)
         return self.test_values.logs(logs, values)
 
     def predict(self, batches):

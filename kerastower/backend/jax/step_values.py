@@ -18,7 +18,7 @@ class StepValues(step_values.StepValues):
     """The non-metric values of one of a model's steps (`step`: its name)."""
 
     def __init__(self, model, step="train_step"):
-        super().__init__(f"{type(model).__name__}.{step}")
+        super().__init__(f"{type(model).__name__}.{step}", own_step=step_values.is_own_step(model, step))
         self.model = model
 
     def local(self, logs, examples, metrics=None):

@@ -111,7 +111,7 @@ class TensorFlowEngine(StepEngine):
     def test_steps(self, iterator, num_steps, first_step):
         run = tf_step.run_steps(self.model.make_test_function(), iterator, num_steps,
                                 f"Evaluation step {first_step + 1}", failures=self.failures)
-        return StepRun(taken=run.steps, done=run.steps, logs=run.logs)
+        return StepRun(taken=run.steps, done=run.steps, logs=run.logs, final_logs=run.final_logs)
 
     def predict_step(self, iterator, step):
         try:
@@ -284,7 +284,7 @@ class _Feed(Feed):
         # The failed step's batches were taken, but its update was not applied.
         done = run.steps - (run.nonfinite_towers is not None)
         return StepRun(
-            taken=run.steps, done=done, logs=run.logs,
+            taken=run.steps, done=done, logs=run.logs, final_logs=run.final_logs,
             tower_batches=np.asarray(run.tower_batches, np.int64).tolist() if run.steps else [],
             examples=int(run.examples), tower_examples=run.tower_examples,
             nonfinite_towers=run.nonfinite_towers)

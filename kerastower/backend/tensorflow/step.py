@@ -31,6 +31,7 @@ from kerastower.backend.tensorflow import feeding
 from kerastower.backend.tensorflow import gradients
 from kerastower.backend.tensorflow import nonfinite
 from kerastower.backend.tensorflow import xla
+from kerastower.backend.step_values import is_own_step
 from kerastower.backend.tensorflow.step_values import StepValues
 from kerastower.backend.tensorflow import step_errors
 from kerastower.errors import PeerFailureError
@@ -55,13 +56,14 @@ def num_examples(data):
 
 
 StepsRun = collections.namedtuple(
-    "StepsRun", ["steps", "examples", "tower_examples", "tower_batches", "logs", "nonfinite_towers"]
-)
+    "StepsRun", ["steps", "examples", "tower_examples", "tower_batches", "logs", "nonfinite_towers",
+                 "final_logs"], defaults=[None])
 StepsRun.__doc__ = """What one call of a step function did: steps run, examples
 over all towers, the last step's examples per tower, batches each tower took,
 the logs (predictions, for predict), and None, or when the last step's
 gradients were not finite (its update skipped), the indices of this
-process's towers whose own gradients were not."""
+process's towers whose own gradients were not; then None, or the logs the
+end of an epoch takes instead (`StepRun.final_logs`)."""
 
 
 # -- the tower scope -------------------------------------------------------------
@@ -207,6 +209,7 @@ def make_step_function(model, tower_step, mode):
     strategy = model.tower_strategy
     is_training = mode == "train"
     step_name = f"{type(model).__name__}.{tower_step.__name__}"
+    own_step = is_own_step(model, tower_step.__name__)
     if xla.whole_step(model, mode) and getattr(model, "tower_jit_compile", False):
         tower_step = _compiled_whole(model, tower_step)
     # What a step may return: its metrics' results, flat or by metric name
@@ -216,7 +219,8 @@ def make_step_function(model, tower_step, mode):
         if mode != "predict" else set()
     )
 
-    values = StepValues(metric_keys, step_name, model=model)
+    values = StepValues(metric_keys, step_name, model=model,
+                        own_step=own_step)
 
     def tower_fn(data, equal_batches):
         index = strategy.tower_index()
@@ -284,12 +288,13 @@ def make_step_function(model, tower_step, mode):
         with collectives.phase("logs"):
             logs = (strategy.metrics_result(model) if strategy.single_process
                     else strategy.local_metrics_result(model))
+        final = values.final_logs(logs)
         logs = values.logs(logs, step_values)
         # One vector, read back in one transfer.
         counters = tf.concat([
             tf.stack([steps, examples, tf.cast(finite, tf.int32)]),
             tower_examples, tower_batches, bad_towers], axis=0)
-        return counters, logs
+        return (counters, logs) if final is None else (counters, logs, final)
 
     step_function = predict_function if mode == "predict" else function
     recorded = _recording_collectives(model, mode, step_function)
@@ -359,7 +364,7 @@ def run_steps(function, iterator, num_steps, what="step", endless=False, failure
     `failures` is the run's StepFailures, whose generator error a failed
     step names (step_errors.py)."""
     try:
-        counters, outputs = _call(function, iterator, _as_tensor(num_steps), endless)
+        counters, outputs, *final = _call(function, iterator, _as_tensor(num_steps), endless)
     except tf.errors.OutOfRangeError:
         return StepsRun(0, 0, None, 0, None, None)
     except tf.errors.UnavailableError as error:
@@ -377,7 +382,7 @@ def run_steps(function, iterator, num_steps, what="step", endless=False, failure
     tower_examples, tower_batches, bad_towers = np.split(counters[3:], 3)
     return StepsRun(
         steps, examples, tower_examples, tower_batches.astype(np.int64), outputs,
-        None if finite else np.flatnonzero(bad_towers).tolist(),
+        None if finite else np.flatnonzero(bad_towers).tolist(), final[0] if final else None,
     )
 
 

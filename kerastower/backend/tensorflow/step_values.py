@@ -22,10 +22,12 @@ class StepValues(step_values.StepValues):
         model: the model, whose metrics' results in each tower tell a raw
             value returned under a metric's key from that metric's result;
             without it such a value is read as the metric.
+        own_step: whether the step is Keras's or kerastower's own, which
+            returns its metrics' results (nothing to tell apart).
     """
 
-    def __init__(self, metric_keys, step_name, model=None):
-        super().__init__(step_name)
+    def __init__(self, metric_keys, step_name, model=None, own_step=False):
+        super().__init__(step_name, own_step)
         self.metric_keys = metric_keys
         self.model = model
 
