@@ -40,6 +40,8 @@ from kerastower.strategies.switch import register_strategy
 from kerastower.strategies.switch import strategy_names
 from kerastower.tower import TowerContext
 from kerastower.tower import get_current_tower_context
+from kerastower.loss_divisors import global_sum
+from kerastower.loss_divisors import loss_divisor
 
 from kerastower.model import TowerModel
 from kerastower import functional as _functional  # registers the saved-model classes
@@ -99,10 +101,12 @@ __all__ = [
     "GANTrainer",
     "GeneratorInput",
     "get_current_tower_context",
+    "global_sum",
     "InputSource",
     "InputSourceError",
     "KerasTowerError",
     "LoopState",
+    "loss_divisor",
     "minimize",
     "MonitorWriteWarning",
     "NonFiniteError",

@@ -52,6 +52,11 @@ class TowerContext:
             `optimizer.apply` weights this tower's gradients by.
         strategy: the `kt.TowerStrategy` running the tower (None when the
             context was made by hand).
+        batch_size: this tower's batch size in the step (a scalar tensor),
+            in training and evaluation; None when made by hand.
+        sum_over_towers: sums a value over every tower (and process) of the
+            step, inside it; None on one tower or when made by hand. Used by
+            `kt.global_sum` and `kt.loss_divisor`.
 
     Examples:
         >>> import kerastower as kt
@@ -82,6 +87,9 @@ class TowerContext:
         self._weight_fn = None
         self.strategy = None
         self.check_finite = True
+        self.batch_size = None
+        self.sum_over_towers = None
+        self.may_skip_forward = False  # traced in a branch an empty tower skips
 
     @property
     def example_weight(self):

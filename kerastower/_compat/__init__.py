@@ -18,6 +18,7 @@ from kerastower._compat.patches import PatchGroup
 from kerastower._compat.patches import ScopedPatch
 from kerastower._compat.patches import gradients_already_reduced
 from kerastower._compat.patches import is_reducing
+from kerastower._compat.patches import masked_losses_divided_by
 from kerastower._compat.patches import stock_fit_checked
 from kerastower._compat.patches import tower_patches
 from kerastower._compat.required import TESTED
@@ -27,7 +28,7 @@ from kerastower._compat.required import _missing
 from kerastower._compat.required import require
 
 __all__ = ["TESTED", "TESTED_ON_JAX", "require", "tower_patches", "ScopedPatch", "PatchGroup",
-           "stock_fit_checked", "gradients_already_reduced", "is_reducing"]
+           "stock_fit_checked", "gradients_already_reduced", "is_reducing", "masked_losses_divided_by"]
 
 # -- a concrete function called with its arguments bound once ------------------
 

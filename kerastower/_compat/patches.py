@@ -169,6 +169,31 @@ class ScopedPatch:
         return False
 
 
+def masked_losses_divided_by(divisor):
+    """A `ScopedPatch` of Keras's `losses.loss.apply_mask`: while entered, a
+    masked loss reduced by its mean (`"sum_over_batch_size"`) divides its
+    sum by `divisor(valid, batch_size)` (`valid`: the unmasked entries
+    counted) in place of `valid`, unless `divisor` gives None. Keras's own
+    weights are rescaled, not recomputed: `total / valid` becomes
+    `total / divisor`."""
+
+    def divided(original):
+        def apply_mask(sample_weight, mask, dtype, reduction):
+            weights = original(sample_weight, mask, dtype, reduction)
+            if mask is None or reduction not in ("mean", "sum_over_batch_size"):
+                return weights
+            import keras
+
+            valid = keras.ops.sum(keras.ops.cast(mask, dtype))
+            new = divisor(valid, keras.ops.shape(mask)[0])
+            if new is None:
+                return weights
+            return weights * keras.ops.cast(keras.ops.divide_no_nan(valid, new), weights.dtype)
+        return apply_mask
+
+    return ScopedPatch(lambda: require("keras.src.losses", "loss"), "apply_mask", divided)
+
+
 def stock_fit_checked(check):
     """A `ScopedPatch`: while entered, `check(model)` runs before stock
     Keras's `fit` trains a model (not a TowerModel, whose fit is

@@ -269,10 +269,12 @@ class TowerSteps:
         """`branch(index, *args)` for this device's tower (towers.py)."""
         return jax_towers.on_every_tower(branch, self.num_towers, *args)
 
-    def _tower_context(self, index, is_training, examples=None):
+    def _tower_context(self, index, is_training, examples=None, batch_size=None):
         ctx = TowerContext(index, self.num_towers, is_training)
         ctx.strategy = getattr(self.model, "tower_strategy", None)
         ctx.num_examples = examples
+        ctx.batch_size = examples if batch_size is None else batch_size
+        ctx.sum_over_towers = jax_towers.sum_over_towers(self.num_towers)
         ctx.example_weight = jnp.asarray(1.0 / self.num_towers, "float32")
         ctx.check_finite = self.check_finite
         return ctx
@@ -366,9 +368,10 @@ class TowerSteps:
         model = self.model
 
         def tower(index, trainable, non_trainable, metrics, data):
-            with self._tower_context(index, False):
+            examples = jax.tree.leaves(data)[0].shape[0]
+            with self._tower_context(index, False, batch_size=examples):
                 logs, (_, _, metrics) = model.test_step((trainable, non_trainable, metrics), data)
-            return list(metrics), self.test_values.local(logs, jax.tree.leaves(data)[0].shape[0], metrics)
+            return list(metrics), self.test_values.local(logs, examples, metrics)
 
         metrics, values = self._switch(tower, trainable, non_trainable, [m[0] for m in tower_metrics], data)
         return [m[None] for m in metrics], self.test_values.reduced(values, self.num_towers > 1)

@@ -15,10 +15,11 @@ import jax.numpy as jnp
 import numpy as np
 
 from kerastower import _compat
+from kerastower import loss_divisors
 from kerastower.backend.jax import sync as jax_sync
 from kerastower.backend.jax.placement import AXIS
 
-__all__ = ["on_every_tower", "varying", "per_tower", "from_tower_0", "seed_positions", "seeded_apart", "all_finite",
+__all__ = ["on_every_tower", "sum_over_towers", "varying", "per_tower", "from_tower_0", "seed_positions", "seeded_apart", "all_finite",
            "first_nonfinite_step", "mean_over_towers"]
 
 
@@ -36,8 +37,17 @@ def on_every_tower(branch, num_towers, *args):
         with jax_sync.synchronized_over(None):
             return branch(0, *args)
     branches = [functools.partial(branch, i) for i in range(num_towers)]
-    with jax_sync.synchronized_over(AXIS):
+    # Masked losses divide by the joined batch's count (loss_divisors.py).
+    with jax_sync.synchronized_over(AXIS), loss_divisors.MASKED_LOSSES:
         return jax.lax.switch(jax.lax.axis_index(AXIS), branches, *args)
+
+
+def sum_over_towers(num_towers):
+    """What a tower context sums a value over the towers with, inside the
+    towers' shard_map (`kt.global_sum`, `kt.loss_divisor`); None on one tower."""
+    if num_towers == 1:
+        return None
+    return functools.partial(jax.lax.psum, axis_name=AXIS)
 
 
 def mean_over_towers(gradients, weight=None):

@@ -41,6 +41,9 @@ class StepCache:
         collectives: what each step function launched (`kt.collectives_per_step`).
         read_logs: the function reading the metrics across towers.
         gradient_presence: which variables got a gradient on each tower.
+        forward_collectives: whether a tower's forward pass all-reduces (a
+            masked loss's divisor, `loss_divisors.py`): then no tower skips
+            it, even on an empty batch.
     """
 
     def __init__(self):
@@ -49,6 +52,7 @@ class StepCache:
         self.collectives = {}
         self.read_logs = None
         self.gradient_presence = GradientPresence()
+        self.forward_collectives = False
 
 
 class TensorFlowEngine(StepEngine):

@@ -20,6 +20,7 @@ import keras
 import tensorflow as tf
 
 from kerastower import _compat
+from kerastower import loss_divisors
 from kerastower.backend.tensorflow import nonfinite
 from kerastower.errors import TowerRuleError
 from kerastower.tower import get_current_tower_context
@@ -181,14 +182,26 @@ def gradients_unless_empty(model, forward_backward, examples, variables):
     still join the all-reduce, but must not run the model: TF's oneDNN
     MaxPool gradient aborts the process on an empty batch. It contributes
     zero gradients instead (sparse ones stay sparse). A forward pass that
-    all-reduces (synchronized BatchNormalization) cannot be skipped on some
-    towers only: there the model runs on the empty batch, weighted zero.
+    all-reduces (synchronized BatchNormalization, a masked loss's divisor)
+    cannot be skipped on some towers only: there the model runs on the
+    empty batch, weighted zero.
     """
-    if model.num_towers == 1 or any(
+    cache = model.engine.cache
+    if model.num_towers == 1 or cache.forward_collectives or any(
         getattr(layer, "synchronized", False) for layer in _compat.flatten_layers(model)
     ):
         return forward_backward()
-    cache = model.engine.cache
+    try:
+        with loss_divisors.skippable_forward():
+            return _unless_empty(cache, forward_backward, examples, variables)
+    except loss_divisors.ForwardCollectiveNeeded:
+        # A masked loss all-reduces its divisor (loss_divisors.py): every
+        # tower runs, an empty batch's loss weighted zero by its divisor.
+        cache.forward_collectives = True
+        return forward_backward()
+
+
+def _unless_empty(cache, forward_backward, examples, variables):
     if tf.executing_eagerly():  # tf.cond would run one branch only
         if int(examples) > 0:
             cache.last_gradients = forward_backward()

@@ -34,6 +34,7 @@ from kerastower.backend.tensorflow import xla
 from kerastower.backend.step_values import is_own_step
 from kerastower.backend.tensorflow.step_values import StepValues
 from kerastower.backend.tensorflow import step_errors
+from kerastower import loss_divisors
 from kerastower.errors import PeerFailureError
 from kerastower.tower import TowerContext
 from kerastower.tower import forbid_variable_creation
@@ -69,18 +70,23 @@ end of an epoch takes instead (`StepRun.final_logs`)."""
 # -- the tower scope -------------------------------------------------------------
 
 @contextlib.contextmanager
-def tower_scope(model, is_training, step_name, name=None, examples=None, equal_batches=False):
+def tower_scope(model, is_training, step_name, name=None, examples=None, equal_batches=False,
+                batch_size=None):
     """Inside a tower: its TowerContext, the tower rules, and (in training)
     the towers' replica-local weights following the main tower's after it.
 
     `examples` (this tower's batch size) gives the context its share of the
     step's examples; without it, or with `equal_batches` (every tower's
     batch has the same static size), each tower's share is 1/N.
+    `batch_size` (default: `examples`) is the context's, in every mode.
     """
     strategy = model.tower_strategy
     ctx = TowerContext(strategy.tower_index(), strategy.num_towers, is_training, name=name)
     ctx.strategy = strategy
     ctx.num_examples = examples
+    ctx.batch_size = examples if batch_size is None else batch_size
+    if strategy.num_towers > 1 or not strategy.single_process:
+        ctx.sum_over_towers = lambda value: strategy.all_reduce_sum([value])[0]
     ctx.check_finite = getattr(model, "tower_check_finite", True)
     ctx.gradient_presence = model.engine.cache.gradient_presence
     if examples is None or equal_batches:
@@ -91,8 +97,8 @@ def tower_scope(model, is_training, step_name, name=None, examples=None, equal_b
         n = tf.cast(examples, tf.float32)
         ctx.defer_example_weight(
             lambda: tf.math.divide_no_nan(n, strategy.all_reduce_sum([n])[0]))
-    with gradients.TOWER_PATCHES, ctx, tf.summary.record_if(ctx.is_main_tower), \
-            forbid_variable_creation(step_name):
+    with gradients.TOWER_PATCHES, loss_divisors.MASKED_LOSSES, ctx, \
+            tf.summary.record_if(ctx.is_main_tower), forbid_variable_creation(step_name):
         kept = _kept_for_a_nonfinite_step(model, ctx) if is_training else None
         yield ctx
         if kept is not None:
@@ -193,7 +199,19 @@ def _run_unless_empty(test_step, data, examples, values):
         found.append(local is not None)
         return values.idle() if local is None else local
 
-    local = tf.cond(examples > 0, run, values.idle)
+    model = values.model
+    if model is not None and model.engine.cache.forward_collectives:
+        return run()
+    try:
+        with loss_divisors.skippable_forward():
+            local = tf.cond(examples > 0, run, values.idle)
+    except loss_divisors.ForwardCollectiveNeeded:
+        # A masked loss all-reduces its divisor: every tower runs the step
+        # (an empty batch's loss is weighted zero by its divisor).
+        if model is not None:
+            model.engine.cache.forward_collectives = True
+        found.clear()
+        return run()
     return local if found and found[0] else None
 
 
@@ -229,7 +247,7 @@ def make_step_function(model, tower_step, mode):
         local = None
         with tower_scope(model, is_training, step_name, name=name,
                          examples=examples if is_training else None,
-                         equal_batches=equal_batches) as ctx:
+                         equal_batches=equal_batches, batch_size=examples) as ctx:
             if mode == "test" and ctx.total > 1:
                 local = _run_unless_empty(tower_step, data, examples, values)
             else:

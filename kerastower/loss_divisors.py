@@ -1,0 +1,122 @@
+"""Token-normalised losses, divided by the joined batch's count on every tower.
+
+A masked loss (Keras's losses on a model output that carries a mask, as
+`Embedding(mask_zero=True)` gives it) is a sum over the unmasked tokens
+divided by their count. One device on the joined batch divides the sum of
+every tower's tokens by the count of every tower's tokens, `V = sum_k v_k`.
+Each tower dividing by its own `v_k` gives the towers' example-weighted
+mean of `S_k / v_k`, which is the joined batch's only when every tower holds
+the same share of tokens as of examples: with unequal padding it is not
+(the gradient-accumulation bug the wider field met in 2024).
+
+kerastower divides tower k's sum by `V * n_k / n` instead (`n_k` its
+examples, `n` all towers' examples), one small all-reduce of `(v_k, n_k)`
+per masked loss before the backward pass. The towers' gradients, weighted
+by `n_k / n` as always, then sum to `sum_k grad S_k / V`: the joined
+batch's, and the loss tracker, weighted by `n_k`, logs `sum_k S_k / V`.
+On one tower the divisor is Keras's own. `MASKED_LOSSES` puts this into
+Keras's `apply_mask` while towers are traced (both backends).
+
+A loss of your own normalised by your own count gets the same from
+`kt.loss_divisor(count)`:
+
+Examples:
+    >>> import keras
+    >>> import kerastower as kt
+    >>> mask = keras.ops.convert_to_tensor([[1.0, 1.0, 0.0], [1.0, 0.0, 0.0]])
+    >>> token_losses = keras.ops.ones((2, 3))
+    >>> # Outside a tower (or on one), the divisor is the count itself.
+    >>> total = keras.ops.sum(token_losses * mask)
+    >>> float(total / kt.loss_divisor(keras.ops.sum(mask)))
+    1.0
+"""
+
+import contextlib
+
+import keras
+
+from kerastower import _compat
+from kerastower.tower import get_current_tower_context
+
+__all__ = ["loss_divisor", "global_sum", "MASKED_LOSSES", "ForwardCollectiveNeeded"]
+
+
+class ForwardCollectiveNeeded(Exception):
+    """Raised while a tower's forward pass is traced in a branch that some
+    towers may skip (an empty batch): an all-reduce there would wait for
+    towers that never reach it. The engine catches it and traces the
+    forward pass on every tower instead."""
+
+
+@contextlib.contextmanager
+def skippable_forward():
+    """While a tower's forward pass is traced in a branch an empty tower
+    skips: a divisor asked for there raises ForwardCollectiveNeeded."""
+    ctx = get_current_tower_context()
+    saved = getattr(ctx, "may_skip_forward", False)
+    if ctx is not None:
+        ctx.may_skip_forward = True
+    try:
+        yield
+    finally:
+        if ctx is not None:
+            ctx.may_skip_forward = saved
+
+
+def _summing_context():
+    """The current tower context, where the towers' values can be summed
+    (several towers, or processes); else None."""
+    ctx = get_current_tower_context()
+    if ctx is None or getattr(ctx, "sum_over_towers", None) is None:
+        return None
+    if getattr(ctx, "may_skip_forward", False):
+        raise ForwardCollectiveNeeded()
+    return ctx
+
+
+def global_sum(value):
+    """`value` summed over every tower and process of the step (in a tower);
+    `value` itself elsewhere or on one tower.
+
+    Examples:
+        >>> import kerastower as kt
+        >>> float(kt.global_sum(3.0))
+        3.0
+    """
+    ctx = _summing_context()
+    value = keras.ops.convert_to_tensor(value, "float32")
+    if ctx is None:
+        return value
+    return keras.ops.stop_gradient(ctx.sum_over_towers(value))
+
+
+def loss_divisor(count, examples=None):
+    """What this tower divides a sum over what it counts by, for the joined
+    batch's `sum / count` over all towers: `V * n_k / n`, with `V` the
+    `count` summed over every tower and process, `n_k` this tower's
+    `examples` (default: its batch size) and `n` all towers' examples. One
+    all-reduce; on one tower (or outside a tower) `count` itself.
+
+    Write a token-normalised loss as `ops.sum(token_losses * mask) /
+    kt.loss_divisor(ops.sum(mask))`: on N towers it trains, and logs, as one
+    device on the joined batch, however unequal the towers' counts.
+    """
+    ctx = _summing_context()
+    count = keras.ops.cast(count, "float32")
+    if ctx is None:
+        return count
+    if examples is None:
+        examples = ctx.batch_size
+    examples = keras.ops.cast(examples, "float32")
+    summed = keras.ops.stop_gradient(ctx.sum_over_towers(keras.ops.stack([count, examples])))
+    return summed[0] * keras.ops.divide_no_nan(examples, summed[1])
+
+
+def _masked_loss_divisor(valid, batch_size):
+    # Keras's masked losses: None leaves Keras's own count.
+    if _summing_context() is None:
+        return None
+    return loss_divisor(valid, batch_size)
+
+
+MASKED_LOSSES = _compat.masked_losses_divided_by(_masked_loss_divisor)
