@@ -112,9 +112,14 @@ def loss_divisor(count, examples=None):
     return summed[0] * keras.ops.divide_no_nan(examples, summed[1])
 
 
+# Read when a step is traced; benchmarks/token_divisors.py turns it off to
+# measure what the joined count costs (Keras's per-tower count then).
+JOINED_MASKED_COUNTS = True
+
+
 def _masked_loss_divisor(valid, batch_size):
     # Keras's masked losses: None leaves Keras's own count.
-    if _summing_context() is None:
+    if not JOINED_MASKED_COUNTS or _summing_context() is None:
         return None
     return loss_divisor(valid, batch_size)
 

@@ -220,11 +220,23 @@ def masked_build(optimizer):
 
 def masked_data():
     """Sequences padded with 0. Every tower batch holds the same number of
-    real tokens: the case the docs promise exact (a masked loss is each
-    tower's mean over its tokens)."""
+    real tokens: exact even with each tower's own token count."""
     rng = np.random.default_rng(4)
     x = rng.integers(1, 10, (N, 6)).astype("int32")
     lengths = np.tile(np.array([6, 2, 5, 3, 4, 4, 1, 5]), N // 8)
+    for row, length in enumerate(lengths):
+        x[row, length:] = 0
+    y = rng.integers(0, 3, (N, 6)).astype("int32")
+    return {"x": x, "y": y}
+
+
+def unequal_padding_data():
+    """Sequences padded with 0, tower 0's batches of 1-2 tokens a row and
+    tower 1's of 5-6 (issue 27): exact only with the joined batch's count."""
+    rng = np.random.default_rng(13)
+    x = rng.integers(1, 10, (N, 6)).astype("int32")
+    short = (np.arange(N) // B) % 2 == 0
+    lengths = np.where(short, rng.integers(1, 3, N), rng.integers(5, 7, N))
     for row, length in enumerate(lengths):
         x[row, length:] = 0
     y = rng.integers(0, 3, (N, 6)).astype("int32")
@@ -271,6 +283,7 @@ CASES = {
     "compute_loss": (compute_loss_build, regression_data),
     "keras_io_train_step": (keras_io_build, lambda: dict(zip("xy", _features(10)))),
     "masked_sequence": (masked_build, masked_data),
+    "unequal_padding": (masked_build, unequal_padding_data),
     "sample_weight": (dense_build, sample_weight_data),
     "class_weight": (dense_build, class_weight_data),
     "kernel_regularizer": (regularized_build, lambda: dict(zip("xy", _features(11)))),
@@ -286,6 +299,7 @@ DISTRIBUTED_SUBSET = [
     ("keras_io_train_step", "clipnorm"),
     ("embedding", "adam"),
     ("sample_weight", "adam"),
+    ("unequal_padding", "adam"),  # the masked loss's count is all processes' towers'
 ]
 
 

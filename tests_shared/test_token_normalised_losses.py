@@ -103,9 +103,11 @@ def test_a_masked_loss_with_unequal_padding_trains_as_the_joined_batch(towers):
     _towers_train_as_the_joined_batch(*_sequences(), towers=towers)
 
 
+@pytest.mark.parametrize("towers", [2, 4])
 @pytest.mark.parametrize("kind", ["own_count", "tied_embedding"])
-def test_a_count_normalised_loss_of_ones_own_and_a_tied_embedding_train_as_the_joined_batch(kind):
-    _towers_train_as_the_joined_batch(*_sequences(), kind=kind)
+def test_a_count_normalised_loss_of_ones_own_and_a_tied_embedding_train_as_the_joined_batch(
+        kind, towers):
+    _towers_train_as_the_joined_batch(*_sequences(), towers=towers, kind=kind)
 
 
 def test_a_tower_without_a_batch_in_the_last_step_still_divides_by_the_joined_count():
