@@ -38,29 +38,32 @@ import keras
 from kerastower import _compat
 from kerastower.tower import get_current_tower_context
 
-__all__ = ["loss_divisor", "global_sum", "MASKED_LOSSES", "ForwardCollectiveNeeded"]
+__all__ = ["loss_divisor", "global_sum", "MASKED_LOSSES", "ForwardCollectiveNeeded",
+           "without_collectives"]
 
 
 class ForwardCollectiveNeeded(Exception):
-    """Raised while a tower's forward pass is traced in a branch that some
-    towers may skip (an empty batch): an all-reduce there would wait for
-    towers that never reach it. The engine catches it and traces the
-    forward pass on every tower instead."""
+    """Raised while a tower's forward pass is traced where it cannot
+    all-reduce: in a branch that some towers skip (an empty batch), where
+    an all-reduce would wait for towers that never reach it, or inside an
+    XLA-compiled function. The engine catches it and traces the forward
+    pass again on every tower, uncompiled (`forward_collectives`)."""
 
 
 @contextlib.contextmanager
-def skippable_forward():
-    """While a tower's forward pass is traced in a branch an empty tower
-    skips: a divisor asked for there raises ForwardCollectiveNeeded."""
+def without_collectives():
+    """While a tower's forward pass is traced where it cannot all-reduce (a
+    branch an empty tower skips, an XLA-compiled function): a divisor asked
+    for there raises ForwardCollectiveNeeded."""
     ctx = get_current_tower_context()
-    saved = getattr(ctx, "may_skip_forward", False)
+    saved = getattr(ctx, "forward_without_collectives", False)
     if ctx is not None:
-        ctx.may_skip_forward = True
+        ctx.forward_without_collectives = True
     try:
         yield
     finally:
         if ctx is not None:
-            ctx.may_skip_forward = saved
+            ctx.forward_without_collectives = saved
 
 
 def _summing_context():
@@ -69,7 +72,7 @@ def _summing_context():
     ctx = get_current_tower_context()
     if ctx is None or getattr(ctx, "sum_over_towers", None) is None:
         return None
-    if getattr(ctx, "may_skip_forward", False):
+    if getattr(ctx, "forward_without_collectives", False):
         raise ForwardCollectiveNeeded()
     return ctx
 

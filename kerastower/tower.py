@@ -89,7 +89,7 @@ class TowerContext:
         self.check_finite = True
         self.batch_size = None
         self.sum_over_towers = None
-        self.may_skip_forward = False  # traced in a branch an empty tower skips
+        self.forward_without_collectives = False  # traced where no all-reduce can run
 
     @property
     def example_weight(self):

@@ -145,3 +145,34 @@ def test_a_recurrent_model_without_padding_trains_as_the_joined_batch():
     function carry input and carry output must have equal types")."""
     full = np.random.default_rng(1).integers(1, VOCAB, (16, T)).astype("int32")
     _towers_train_as_the_joined_batch(full, np.roll(full, -1, axis=1))
+
+
+def test_with_jit_compile_a_masked_loss_still_divides_by_the_joined_count():
+    """On TensorFlow the divisor's all-reduce cannot run inside XLA: the
+    towers' steps run uncompiled, and say so once."""
+    import warnings
+
+    from shared_helpers import BACKEND
+
+    x, y = _sequences()
+    one = _masked_lstm(1)
+    start = one.get_weights()
+    want = one.fit(x, y, batch_size=2 * B, epochs=2, shuffle=False, verbose=0).history
+    keras.utils.set_random_seed(3)
+    with kt.distributed("mirrored", devices=tower_devices(2)):
+        inputs = keras.Input((T,), dtype="int32")
+        h = keras.layers.LSTM(8, return_sequences=True)(
+            keras.layers.Embedding(VOCAB, 5, mask_zero=True)(inputs))
+        many = kt.TowerModel(inputs, keras.layers.Dense(VOCAB)(h))
+        many.compile(optimizer=keras.optimizers.Adam(0.01), metrics=["accuracy"], jit_compile=True,
+                     loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    many.set_weights(start)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        got = many.fit(x, y, batch_size=B, epochs=2, shuffle=False, verbose=0).history
+    said = [w for w in caught if "jit_compile does not compile" in str(w.message)]
+    assert len(said) == (1 if BACKEND == "tensorflow" else 0)
+    for key in want:
+        np.testing.assert_allclose(got[key], want[key], rtol=1e-5, atol=1e-6, err_msg=key)
+    for a, b in zip(many.get_weights(), one.get_weights()):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5)

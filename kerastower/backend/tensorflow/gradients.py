@@ -192,7 +192,7 @@ def gradients_unless_empty(model, forward_backward, examples, variables):
     ):
         return forward_backward()
     try:
-        with loss_divisors.skippable_forward():
+        with loss_divisors.without_collectives():
             return _unless_empty(cache, forward_backward, examples, variables)
     except loss_divisors.ForwardCollectiveNeeded:
         # A masked loss all-reduces its divisor (loss_divisors.py): every

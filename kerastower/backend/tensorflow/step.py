@@ -203,7 +203,7 @@ def _run_unless_empty(test_step, data, examples, values):
     if model is not None and model.engine.cache.forward_collectives:
         return run()
     try:
-        with loss_divisors.skippable_forward():
+        with loss_divisors.without_collectives():
             local = tf.cond(examples > 0, run, values.idle)
     except loss_divisors.ForwardCollectiveNeeded:
         # A masked loss all-reduces its divisor: every tower runs the step

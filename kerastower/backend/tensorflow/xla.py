@@ -18,6 +18,7 @@ import warnings
 import tensorflow as tf
 
 from kerastower import _compat
+from kerastower import loss_divisors
 from kerastower.errors import ArgumentError
 
 __all__ = ["resolve", "compiled"]
@@ -59,10 +60,36 @@ def resolve(model, jit_compile):
 
 
 def compiled(model, fn):
-    """`fn` compiled with XLA when the model's steps use it, else `fn`."""
+    """`fn` compiled with XLA when the model's steps use it, else `fn`.
+
+    A forward pass that all-reduces (a masked loss's divisor on several
+    towers, `loss_divisors.py`) cannot inside XLA here: found while it is
+    traced, it runs uncompiled, and the model's steps say so once."""
     if not getattr(model, "tower_jit_compile", False) or model.run_eagerly:
         return fn
-    return tf.function(fn, jit_compile=True, reduce_retracing=True)
+
+    def without_collectives(*args, **kwargs):
+        with loss_divisors.without_collectives():
+            return fn(*args, **kwargs)
+
+    xla_fn = tf.function(without_collectives, jit_compile=True, reduce_retracing=True)
+    cache = model.engine.cache
+
+    @tf.autograph.experimental.do_not_convert
+    def call(*args, **kwargs):
+        if cache.forward_collectives:
+            return fn(*args, **kwargs)
+        try:
+            return xla_fn(*args, **kwargs)
+        except loss_divisors.ForwardCollectiveNeeded:
+            cache.forward_collectives = True
+            warnings.warn(
+                f"kerastower: jit_compile does not compile {type(model).__name__}'s tower "
+                "steps: a masked loss divides by the joined batch's token count, an "
+                "all-reduce before the backward pass, which cannot run inside XLA here "
+                "(docs/losses.md).", stacklevel=2)
+            return fn(*args, **kwargs)
+    return call
 
 
 def compiled_in(model):
