@@ -117,3 +117,26 @@ def compare(runners, steps, rounds):
             result.rates[name].append(samples * timed / wall)
             result.cpu_rates[name].append(samples * timed / max(cpu, 1e-9))
     return result
+
+
+def best_ms_on_and_off(build, switch, x, y, per_tower, towers, rounds=3):
+    """A setting's cost: `build()` makes a model with `switch(True)` and one
+    with `switch(False)` (the setting is read when a step is traced), each
+    warmed up on 4 steps; then whole `fit`s of `x`, `y` alternate between
+    them for `rounds` rounds. Returns the best milliseconds per step with
+    the setting on, and off; the setting is left on."""
+    models = {}
+    for on in (True, False):
+        switch(on)
+        models[on] = build()
+        warm = 4 * per_tower * towers
+        models[on].fit(x[:warm], y[:warm], batch_size=per_tower, verbose=0)  # traces, warms up
+    switch(True)
+    steps = len(x) // (per_tower * towers)
+    times = {True: [], False: []}
+    for _ in range(rounds):
+        for on in (True, False):
+            start = time.perf_counter()
+            models[on].fit(x, y, batch_size=per_tower, shuffle=False, verbose=0)
+            times[on].append((time.perf_counter() - start) / steps * 1e3)
+    return min(times[True]), min(times[False])

@@ -13,8 +13,6 @@ of an embedding are dense arrays: there is nothing to sum there.)
 """
 
 import os
-import time
-
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
 
 import keras  # noqa: E402
@@ -22,6 +20,7 @@ import numpy as np  # noqa: E402
 
 import kerastower as kt  # noqa: E402
 from kerastower.backend.tensorflow import gradients  # noqa: E402
+from harness import best_ms_on_and_off  # noqa: E402
 
 VOCAB, DIM, LENGTH, PER_TOWER, STEPS = 50_000, 64, 32, 32, 60
 
@@ -46,12 +45,6 @@ def _model(devices):
     return model
 
 
-def _ms_per_step(model, x, y, towers):
-    start = time.perf_counter()
-    model.fit(x, y, batch_size=PER_TOWER, shuffle=False, verbose=0)
-    return (time.perf_counter() - start) / (len(x) // (PER_TOWER * towers)) * 1e3
-
-
 def main():
     kt.use_cpu_towers(2)
     rng = np.random.default_rng(0)
@@ -60,18 +53,11 @@ def main():
         x = rng.integers(0, VOCAB, (n, LENGTH)).astype("int32")
         y = rng.integers(0, 2, n).astype("int32")
         devices = [f"/cpu:{i}" for i in range(towers)]
-        models = {}
-        for summed in (True, False):
+
+        def switch(summed):
             gradients.SUM_DUPLICATES = summed       # read when the step is traced
-            models[summed] = _model(devices)
-            models[summed].fit(x[:4 * PER_TOWER * towers], y[:4 * PER_TOWER * towers],
-                               batch_size=PER_TOWER, verbose=0)   # traces, warms up
-        gradients.SUM_DUPLICATES = True
-        times = {True: [], False: []}
-        for _ in range(3):
-            for summed in (True, False):
-                times[summed].append(_ms_per_step(models[summed], x, y, towers))
-        on, off = min(times[True]), min(times[False])
+
+        on, off = best_ms_on_and_off(lambda: _model(devices), switch, x, y, PER_TOWER, towers)
         print(f"{towers} tower(s): duplicates summed {on:.2f} ms a step, joined as they come "
               f"{off:.2f} ms; ratio {off / on:.3f} (speed with summing / without)")
 

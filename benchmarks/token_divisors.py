@@ -14,8 +14,6 @@ their ratio. One tower has nothing to all-reduce: its ratio shows noise.
 """
 
 import os
-import time
-
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
 
 import keras  # noqa: E402
@@ -23,6 +21,7 @@ import numpy as np  # noqa: E402
 
 import kerastower as kt  # noqa: E402
 from kerastower import loss_divisors  # noqa: E402
+from harness import best_ms_on_and_off  # noqa: E402
 
 VOCAB, DIM, LENGTH, UNITS, PER_TOWER, STEPS = 1_000, 32, 64, 64, 32, 40
 
@@ -45,30 +44,17 @@ def _sequences(n, rng):
     return x, np.roll(x, -1, axis=1)
 
 
-def _ms_per_step(model, x, y, towers):
-    start = time.perf_counter()
-    model.fit(x, y, batch_size=PER_TOWER, shuffle=False, verbose=0)
-    return (time.perf_counter() - start) / (len(x) // (PER_TOWER * towers)) * 1e3
-
-
 def main():
     kt.use_cpu_towers(2)
     rng = np.random.default_rng(0)
     for towers in (1, 2):
         x, y = _sequences(STEPS * PER_TOWER * towers, rng)
         devices = [f"/cpu:{i}" for i in range(towers)]
-        models = {}
-        for joined in (True, False):
+
+        def switch(joined):
             loss_divisors.JOINED_MASKED_COUNTS = joined     # read when the step is traced
-            models[joined] = _model(devices)
-            models[joined].fit(x[:4 * PER_TOWER * towers], y[:4 * PER_TOWER * towers],
-                               batch_size=PER_TOWER, verbose=0)   # traces, warms up
-        loss_divisors.JOINED_MASKED_COUNTS = True
-        times = {True: [], False: []}
-        for _ in range(3):
-            for joined in (True, False):
-                times[joined].append(_ms_per_step(models[joined], x, y, towers))
-        on, off = min(times[True]), min(times[False])
+
+        on, off = best_ms_on_and_off(lambda: _model(devices), switch, x, y, PER_TOWER, towers)
         print(f"{towers} tower(s): joined count {on:.2f} ms a step, each tower's own "
               f"{off:.2f} ms; ratio {off / on:.3f} (speed with the joined count / without)")
 
