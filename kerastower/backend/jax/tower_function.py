@@ -33,6 +33,7 @@ from kerastower._compat import on_jax as jax_compat
 from kerastower.backend.jax.towers import all_finite
 from kerastower.backend.jax.towers import from_tower_0
 from kerastower.backend.jax.towers import mean_over_towers
+from kerastower.backend.jax.towers import sum_over_towers
 from kerastower.backend.jax.towers import on_every_tower
 from kerastower.backend.jax.towers import per_tower
 from kerastower.backend.jax.towers import seed_positions
@@ -181,6 +182,8 @@ class TowerFunctionRunner(engine.TowerFunctionRunner):
         values = seeded_apart(state, seeds, index)
         ctx = TowerContext(index, num_towers, self.training)
         ctx.strategy, ctx.num_examples = model.tower_strategy, examples
+        ctx.batch_size = examples
+        ctx.sum_over_towers = sum_over_towers(num_towers)
         ctx.example_weight = jnp.asarray(1.0 / num_towers, "float32")  # the towers' batches have one shape
         ctx.check_finite = getattr(model, "tower_check_finite", True)
         health = _Health()
