@@ -103,6 +103,11 @@ def loss_divisor(count, examples=None):
     Write a token-normalised loss as `ops.sum(token_losses * mask) /
     kt.loss_divisor(ops.sum(mask))`: on N towers it trains, and logs, as one
     device on the joined batch, however unequal the towers' counts.
+
+    Examples:
+        >>> import kerastower as kt
+        >>> float(kt.loss_divisor(7.0))   # outside a tower: the count itself
+        7.0
     """
     ctx = _summing_context()
     count = keras.ops.cast(count, "float32")
