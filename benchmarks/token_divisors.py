@@ -8,9 +8,10 @@ LSTM of 64, a masked SparseCategoricalCrossentropy, Adam, 32 examples a
 tower) trained on 1 and 2 towers (logical CPUs), with the joined count on
 (the default: one all-reduce of (count, examples) per masked loss before
 the backward pass, so N towers equal one device) and off (each tower
-divides by its own count, as Keras does). Prints the best of 3 fits'
+divides by its own count, as Keras does). Prints the best of 5 fits'
 milliseconds per step for each, taken alternately in one process, and
-their ratio. One tower has nothing to all-reduce: its ratio shows noise.
+the median of the rounds' ratios. One tower has nothing to all-reduce: its
+ratio shows the noise.
 """
 
 import os
@@ -54,9 +55,10 @@ def main():
         def switch(joined):
             loss_divisors.JOINED_MASKED_COUNTS = joined     # read when the step is traced
 
-        on, off = best_ms_on_and_off(lambda: _model(devices), switch, x, y, PER_TOWER, towers)
+        on, off, ratio = best_ms_on_and_off(lambda: _model(devices), switch, x, y, PER_TOWER, towers,
+                                               rounds=5)
         print(f"{towers} tower(s): joined count {on:.2f} ms a step, each tower's own "
-              f"{off:.2f} ms; ratio {off / on:.3f} (speed with the joined count / without)")
+              f"{off:.2f} ms; median ratio of 5 rounds {ratio:.3f} (speed with the joined count / without)")
 
 
 if __name__ == "__main__":
