@@ -57,9 +57,13 @@ def _run(strategy, devices, jit, batch, cls=kt.TowerModel):
 @pytest.mark.parametrize("cls", [kt.TowerModel, WeightedLoss], ids=["compiled_loss", "compute_loss"])
 def test_xla_towers_equal_one_device_without_xla(cls):
     """2 towers with XLA, 1 device with XLA and 2 towers without all equal one
-    device without XLA on the joined batch (72 examples: a short last step)."""
+    device without XLA on the joined batch (72 examples: a short last step).
+    So does "mirrored" on one device with XLA, whose optimizer update is a
+    cross-replica call that XLA cannot hold (it raised "merge_call called
+    while defining a new graph")."""
     reference, ref_history, ref_logs, ref_predictions = _run("single", None, False, 2 * B, cls)
     for strategy, devices, jit, batch in [("single", None, True, 2 * B),
+                                          ("mirrored", TWO[:1], True, 2 * B),
                                           ("mirrored", TWO, True, B),
                                           ("mirrored", TWO, False, B)]:
         model, history, logs, predictions = _run(strategy, devices, jit, batch, cls)

@@ -5,9 +5,10 @@ inside the compiled function. kerastower keeps the cross-tower work (the
 gradient all-reduce, the finite check, the optimizer's update under
 MirroredStrategy) outside XLA and compiles what each tower computes alone:
 
-- one tower: the whole tower step, optimizer update included;
-- N towers: `train_step`'s forward and backward (loss, metrics,
-  gradients), the whole `test_step` and `predict_step`.
+- one tower under "single": the whole tower step, optimizer update included;
+- N towers (or one under "mirrored", whose update is a cross-replica
+  call): `train_step`'s forward and backward (loss, metrics, gradients),
+  the whole `test_step` and `predict_step`.
 
 `jit_compile="auto"` (Keras's default) compiles when the machine has an
 accelerator and every layer supports XLA, as Keras decides on one device.
@@ -99,8 +100,11 @@ def compiled_in(model):
 
 def whole_step(model, mode):
     """Whether the whole tower step of `mode` is compiled: it launches no
-    collective (evaluation, prediction, or training on one tower)."""
-    return mode != "train" or model.tower_strategy.num_towers == 1
+    collective (evaluation, prediction, or training under "single"). Under
+    tf.distribute's mirrored strategies the optimizer's update is a
+    cross-replica call even on one device, which XLA cannot hold."""
+    strategy = model.tower_strategy
+    return mode != "train" or (strategy.num_towers == 1 and strategy.name == "single")
 
 
 _warned = set()
