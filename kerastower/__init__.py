@@ -49,6 +49,7 @@ from kerastower.trainers import GANModel
 from kerastower.trainers import GANTrainer
 from kerastower.trainers import SeparateGANTrainer
 from kerastower.trainers import StopTraining
+from kerastower.loop.preemption import Preempted
 from kerastower.trainers import Trainer
 from kerastower.trainers import minimize
 
@@ -111,6 +112,7 @@ __all__ = [
     "MonitorWriteWarning",
     "NonFiniteError",
     "PeerFailureError",
+    "Preempted",
     "register_strategy",
     "SeparateGANTrainer",
     "StepFailedError",

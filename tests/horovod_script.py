@@ -2,11 +2,14 @@
 
     python horovod_script.py OUT_DIR train    # equivalence, writers, resume, inference
     python horovod_script.py OUT_DIR die      # rank 1 dies mid-training
+    python horovod_script.py OUT_DIR preempt  # rank 1 alone gets SIGTERM mid-epoch
+    python horovod_script.py OUT_DIR resume   # goes on; compares with an uninterrupted run
 """
 
 import faulthandler
 import json
 import os
+import signal
 import sys
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
@@ -210,6 +213,73 @@ def die(out):
         model.fit(endless(), steps_per_epoch=1000, epochs=1, verbose=0, callbacks=[Die()])
 
 
+PREEMPTED_AT = 5  # epoch 2, step 2 of 3
+
+
+def preempted_run(out, rank, phase):
+    """The preemption scenario on 2 processes (Horovod ranks or workers).
+
+    "preempt": 3 epochs of 3 steps with AutoResume and an epoch-end
+    ModelSaver; process 1 alone sends itself SIGTERM after global step 5.
+    Every process records what `kt.Preempted` said, then exits with it.
+    "resume": the same fit again resumes, then an uninterrupted run in
+    another folder; records whether their weights are bit-equal."""
+    ckpt = os.path.join(out, "ckpt_preempted")
+    record = os.path.join(out, f"{phase}_{rank}.json")
+
+    class SignalOneProcess(keras.callbacks.Callback):
+        def on_train_batch_end(self, batch, logs=None):
+            if rank == 1 and self.model.loop.global_step == PREEMPTED_AT:
+                os.kill(os.getpid(), signal.SIGTERM)
+
+    def fit(folder, *extra):
+        model = build()
+        resume = kt.callbacks.AutoResume(folder)
+        model.fit(endless(), steps_per_epoch=3, epochs=3, verbose=0,
+                  callbacks=[resume, kt.callbacks.ModelSaver(folder), *extra])
+        return model, resume
+
+    if phase == "preempt":
+        try:
+            fit(ckpt, SignalOneProcess())
+        except kt.Preempted as stop:
+            with open(record, "w") as f:
+                json.dump({"code": stop.code, "step": stop.global_step,
+                           "checkpoint": stop.checkpoint, "signal": stop.signal_name}, f)
+            raise
+        raise AssertionError("the run was not preempted")
+    resumed, resume = fit(ckpt)
+    straight, _ = fit(os.path.join(out, f"ckpt_straight_{rank}"))
+    with open(record, "w") as f:
+        json.dump({
+            "resumed_from": resume.restored_from,
+            "step": int(resumed.optimizer.iterations.numpy()),
+            "bit_equal": all(np.array_equal(a, b) for a, b in
+                             zip(resumed.get_weights(), straight.get_weights())),
+        }, f)
+
+
+def assert_preempted_then_resumed_bit_equal(out, launch):
+    """`launch(phase)` runs both processes of a phase; checks what each recorded."""
+    launch("preempt")
+    stops = []
+    for rank in (0, 1):
+        with open(os.path.join(out, f"preempt_{rank}.json")) as f:
+            stops.append(json.load(f))
+    assert [s["code"] for s in stops] == [75, 75], stops
+    assert [s["step"] for s in stops] == [PREEMPTED_AT] * 2, stops
+    assert [s["signal"] for s in stops] == [None, "SIGTERM"], stops
+    # The chief wrote it; every process is told where.
+    assert stops[0]["checkpoint"].endswith(f"ckpt-{PREEMPTED_AT:08d}")
+    assert stops[1]["checkpoint"] == stops[0]["checkpoint"]
+    launch("resume")
+    for rank in (0, 1):
+        with open(os.path.join(out, f"resume_{rank}.json")) as f:
+            resumed = json.load(f)
+        assert resumed["step"] == 9 and resumed["bit_equal"], (rank, resumed)
+        assert resumed["resumed_from"] == (stops[0]["checkpoint"] if rank == 0 else None)
+
+
 VALIDATION = 33  # 7 batches of 5: a short last batch on rank 0, an empty one on rank 1
 
 
@@ -245,5 +315,10 @@ def assert_inference_equals_one_process(weights_file, inference):
     np.testing.assert_allclose(inference["val_error"][-1], 1 - one["accuracy"], atol=1e-6)
 
 
+def preempt(out):
+    with kt.distributed("horovod") as tower_strategy:
+        preempted_run(out, tower_strategy.tower_index(), sys.argv[2])
+
+
 if __name__ == "__main__":
-    {"train": train, "die": die}[sys.argv[2]](sys.argv[1])
+    {"train": train, "die": die, "preempt": preempt, "resume": preempt}[sys.argv[2]](sys.argv[1])

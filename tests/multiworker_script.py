@@ -58,5 +58,12 @@ def die(out):
     shared.build().fit(shared.endless(), steps_per_epoch=1000, verbose=0, callbacks=[Die()])
 
 
+def preempt(out):
+    shared.preempted_run(out, strategy.worker_index, sys.argv[2])
+
+
 if __name__ == "__main__":
-    (die if sys.argv[2:] == ["die"] else main)(sys.argv[1])
+    if sys.argv[2:] in (["preempt"], ["resume"]):
+        preempt(sys.argv[1])
+    else:
+        (die if sys.argv[2:] == ["die"] else main)(sys.argv[1])

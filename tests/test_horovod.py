@@ -137,3 +137,20 @@ def test_a_nan_on_one_rank_stops_every_rank_at_that_step(trained):
     import horovod_script as script
 
     script.assert_a_nan_stopped_every_process(trained[1])
+
+
+def test_sigterm_to_one_rank_stops_both_at_one_step_and_resume_is_bit_equal(tmp_path):
+    """Rank 1 alone gets SIGTERM after step 5: both ranks stop after it, rank
+    0 writes the checkpoint, both exit with 75; a new launch resumes and
+    ends bit-equal to an uninterrupted run."""
+    import horovod_script as script
+
+    def launch(phase):
+        result = _horovodrun(tmp_path, phase)
+        if phase == "resume":
+            assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-2000:]
+        else:
+            assert result.returncode != 0 and "Exiting with status 75" in result.stdout, (
+                result.stdout[-4000:] + result.stderr[-2000:])
+
+    script.assert_preempted_then_resumed_bit_equal(tmp_path, launch)

@@ -122,3 +122,15 @@ def test_a_nan_on_one_worker_stops_every_worker_at_that_step(workers):
     import horovod_script as shared
 
     shared.assert_a_nan_stopped_every_process(workers[1])
+
+
+def test_sigterm_to_one_worker_stops_both_at_one_step_and_resume_is_bit_equal(tmp_path):
+    import horovod_script as script
+
+    def launch(phase):
+        processes = _launch(tmp_path, phase)
+        outputs = [p.communicate(timeout=300)[0] for p in processes]
+        expected = [0, 0] if phase == "resume" else [75, 75]
+        assert [p.returncode for p in processes] == expected, "\n".join(o[-3000:] for o in outputs)
+
+    script.assert_preempted_then_resumed_bit_equal(tmp_path, launch)

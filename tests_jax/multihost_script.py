@@ -12,6 +12,7 @@ on to epoch 3: every process ends where one run of 3 epochs would.
 """
 
 import os
+import signal
 import sys
 
 import keras
@@ -63,15 +64,38 @@ def results(model, history, evaluated, predicted):
     return out
 
 
-def main(out, ckpt_dir, resume):
+class SignalProcess1(keras.callbacks.Callback):
+    """Process 1 alone sends itself SIGTERM after global step 5 (epoch 2, step 1)."""
+
+    def __init__(self, process):
+        super().__init__()
+        self.process = process
+
+    def on_train_batch_end(self, batch, logs=None):
+        # Every process reads self.model (on JAX that syncs the weights, a
+        # collective on several processes), then only process 1 signals.
+        if self.model.loop.global_step == 5 and self.process == 1:
+            os.kill(os.getpid(), signal.SIGTERM)
+
+
+def main(out, ckpt_dir, resume, preempt):
     process = int(os.environ["JAX_PROCESS_ID"])
     with kt.distributed("multihost") as strategy:
         keras.utils.set_random_seed(1234 + process)  # only the chief's weights may count
         model = batchnorm_model()
     assert strategy.num_towers == 4 and len(strategy.local_devices) == 2, strategy
     callbacks = [kt.callbacks.ModelSaver(ckpt_dir)]
-    if resume:
+    if resume or preempt:
         callbacks.insert(0, kt.callbacks.AutoResume(ckpt_dir))
+    if preempt:
+        callbacks.append(SignalProcess1(process))
+        try:
+            train(model, seed=process, callbacks=callbacks, epochs=3)
+        except kt.Preempted as stop:
+            np.savez(out, code=stop.code, step=stop.global_step, checkpoint=str(stop.checkpoint),
+                     signal=str(stop.signal_name))
+            raise
+        raise AssertionError("the run was not preempted")
     found = results(model, *train(model, seed=process, callbacks=callbacks,
                                   epochs=3 if resume else 2))
     found["is_chief"] = np.asarray(strategy.is_chief)
@@ -79,4 +103,4 @@ def main(out, ckpt_dir, resume):
 
 
 if __name__ == "__main__":
-    main(sys.argv[1], sys.argv[2], "--resume" in sys.argv)
+    main(sys.argv[1], sys.argv[2], "--resume" in sys.argv, "--preempt" in sys.argv)

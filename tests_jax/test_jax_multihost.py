@@ -26,7 +26,7 @@ def _free_port():
         return s.getsockname()[1]
 
 
-def _run_two_processes(tmp_path, *flags, timeout=300):
+def _run_two_processes(tmp_path, *flags, timeout=300, status=0):
     port = _free_port()
     ckpt_dir = tmp_path / "ckpt"
     procs, outs = [], []
@@ -48,7 +48,7 @@ def _run_two_processes(tmp_path, *flags, timeout=300):
         for proc in procs:
             proc.kill()
     for process, (proc, log) in enumerate(zip(procs, logs)):
-        assert proc.returncode == 0, f"process {process} failed:\n{log[-6000:]}"
+        assert proc.returncode == status, f"process {process} ended with {proc.returncode}:\n{log[-6000:]}"
     return [dict(np.load(out)) for out in outs], ckpt_dir
 
 
@@ -107,6 +107,21 @@ def test_auto_resume_goes_on_from_the_chiefs_checkpoint(two_processes, tmp_path)
     _assert_equal_to(expected, found, skip=[k for k in expected if k.startswith("history_")])
     for result in found:
         np.testing.assert_allclose(result["history_loss"], expected["history_loss"][-1:], rtol=1e-5)
+
+
+def test_sigterm_to_one_process_stops_both_at_one_step_and_resume_equals_one_device(tmp_path):
+    """Process 1 alone gets SIGTERM after step 5: both stop after it, the chief
+    writes the checkpoint, both exit with 75; a new launch resumes and ends
+    at the weights of one device trained straight through."""
+    stops, ckpt_dir = _run_two_processes(tmp_path, "--preempt", status=75)
+    assert [int(s["code"]) for s in stops] == [75, 75]
+    assert [int(s["step"]) for s in stops] == [5, 5]
+    assert [str(s["signal"]) for s in stops] == ["None", "SIGTERM"]
+    assert str(stops[0]["checkpoint"]) == str(stops[1]["checkpoint"]) == str(ckpt_dir / "ckpt-00000005")
+    found, _ = _run_two_processes(tmp_path, "--resume")
+    expected = _reference(epochs=3)
+    assert [int(r["global_step"]) for r in found] == [12, 12]
+    _assert_equal_to(expected, found, skip=[k for k in expected if k.startswith("history_")])
 
 
 def test_multihost_refuses_devices_and_names_the_variables_it_needs(monkeypatch):

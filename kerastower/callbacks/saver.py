@@ -30,6 +30,7 @@ from kerastower.callbacks.base import Callback
 from kerastower.callbacks.write_guard import write_errors
 from kerastower.errors import KerasTowerError
 from kerastower.checkpoint.resume_state import ResumeState
+from kerastower.loop import preemption
 
 __all__ = ["ModelSaver", "MinSaver", "MaxSaver", "AutoResume"]
 
@@ -285,10 +286,13 @@ class AutoResume(Callback):
         (12, 12)
     """
 
-    def __init__(self, checkpoint_dir, allow_partial=False):
+    def __init__(self, checkpoint_dir, allow_partial=False,
+                 save_on_signals=preemption.DEFAULT_SIGNALS, exit_status=preemption.EXIT_STATUS):
         super().__init__()
         self.checkpoint_dir = checkpoint_dir
         self.allow_partial = allow_partial
+        self.save_on_signals = preemption.signal_numbers(save_on_signals, "AutoResume")
+        self.exit_status = integer(exit_status, "exit_status", "AutoResume", minimum=0)
         self.restored_from = None
         # Runs on every process, so the chief's restored state reaches all.
         self.chief_only = False
@@ -308,3 +312,12 @@ class AutoResume(Callback):
         state.check_towers(self.model.num_towers)
         self.restored_from = path
         return state
+
+    def save_on_preemption(self):
+        """Writes and verifies a checkpoint of the loop's position now (after
+        the step every process agreed to stop at); returns its path. Runs
+        on the chief."""
+        state = ResumeState.of(self.loop, self.model.num_towers).to_dict()
+        path = checkpoint.write_checkpoint(self.checkpoint_dir, self.model, state)
+        checkpoint.verify_checkpoint(path)
+        return path

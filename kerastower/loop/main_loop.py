@@ -14,6 +14,7 @@ tensorpack; Keras callbacks get the 0-based `epoch_num - 1`.
 """
 
 import os
+import time
 import warnings
 
 import keras
@@ -25,6 +26,7 @@ from kerastower.callbacks.base import Callback as KtCallback
 from kerastower.callbacks.base import unwrapped
 from kerastower.errors import StrategyError
 from kerastower.checkpoint.resume_state import ResumeState
+from kerastower.loop import preemption
 
 __all__ = ["LoopState", "MainLoop", "Iteration", "StopTraining", "training_callbacks"]
 
@@ -240,6 +242,7 @@ class MainLoop:
     """
 
     def __init__(self, run):
+        self._watch = preemption.SignalWatch([])
         self.training_run = run
         self.model = run.model
         self.loop = run.state
@@ -270,11 +273,13 @@ class MainLoop:
             epoch_num, first_step, skip = self._start_position(state, starting_epoch, steps_per_epoch)
             loop.starting_epoch = epoch_num
             iteration.start(skip, epoch_num)
-            for epoch_num in range(epoch_num, max_epoch + 1):
-                epoch_logs = self._run_epoch(iteration, epoch_num, first_step, steps_per_epoch)
-                first_step = 0
-                if model.stop_training:
-                    break
+            with self._signal_watch():
+                for epoch_num in range(epoch_num, max_epoch + 1):
+                    epoch_logs = self._run_epoch(iteration, epoch_num, first_step, steps_per_epoch)
+                    first_step = 0
+                    self._stop_if_preempted()
+                    if model.stop_training:
+                        break
             iteration.finish()
         except StopTraining as stop:
             _compat.print_msg(
@@ -308,6 +313,51 @@ class MainLoop:
         state.check_towers(self.model.num_towers)
         self.loop.global_step = state.global_step
         return state
+
+    def _resumer(self):
+        """The callback that restores and saves on preemption (AutoResume), or None."""
+        for callback in getattr(self.callbacks, "callbacks", self.callbacks) or []:
+            if hasattr(unwrapped(callback), "save_on_preemption"):
+                return unwrapped(callback)
+        return None
+
+    def _signal_watch(self):
+        """Catches AutoResume's preemption signals while the steps run."""
+        resumer = self._resumer()
+        self._watch = preemption.SignalWatch(resumer.save_on_signals if resumer else [])
+        return self._watch
+
+    def _stop_if_preempted(self):
+        """After a step (or an epoch's end): when any process got a
+        preemption signal, every process stops here; the chief writes a
+        checkpoint of this step, every process waits for it, and
+        `Preempted` ends the run."""
+        watch = self._watch
+        if not watch.signals or not preemption.stop_agreed(watch, self.strategy):
+            return
+        watch.acted_on = True
+        resumer, loop = self._resumer(), self.loop
+        started = time.perf_counter()
+        # Every process: on JAX the towers' weights reach the variables by collectives.
+        self.training_run.engine.sync_state()
+        path = resumer.save_on_preemption() if self.strategy.is_chief else None
+        path = self.strategy.broadcast_object(path)
+        name = watch.received_name
+        if self.strategy.is_chief:
+            saved_in = time.perf_counter() - started
+            since = "" if watch.received_at is None else (
+                f", {time.perf_counter() - watch.received_at:.2f} s after the signal")
+            got = f"got {name}" if name else "another process got a preemption signal"
+            more = (f" ({watch.count - 1} more signal(s) during the save were ignored)"
+                    if watch.count > 1 else "")
+            _compat.print_msg(
+                f"{self.name}: {got}; stopped after global step {loop.global_step} "
+                f"(epoch {loop.epoch_num}, step {loop.local_step}) and saved {path} in "
+                f"{saved_in:.2f} s (verified{since}){more}. Exiting with status "
+                f"{resumer.exit_status}: run the same command again and AutoResume goes on "
+                f"from global step {loop.global_step}."
+            )
+        raise preemption.Preempted(resumer.exit_status, loop.global_step, path, name)
 
     def _start_position(self, state, starting_epoch, steps_per_epoch):
         """(first epoch_num, its first step, batches each tower skips)."""
@@ -353,6 +403,7 @@ class MainLoop:
                 loop.local_step = step
                 loop.global_step += ran
                 callbacks.on_train_batch_end(step - 1, logs)
+                self._stop_if_preempted()
             if ran < want:
                 iteration.ended_early(loop, step)
                 break

@@ -76,6 +76,7 @@ class MultiWorkerStrategy(TowerStrategy):
         resolver = tf_strategy.cluster_resolver
         self.worker_index = resolver.task_id or 0
         self.local_towers = len(tf_strategy.extended.worker_devices)
+        self._disagreements = None
 
     single_process = False
 
@@ -144,6 +145,23 @@ class MultiWorkerStrategy(TowerStrategy):
         variables = training_state(model)
         for variable, value in zip(variables, self._from_tower_0([v.value for v in variables])):
             variable.assign(value)
+
+    def all_agree(self, flag):
+        """Whether `flag` holds on every worker: one all-reduce of a count."""
+        if self._disagreements is None:
+            first_towers = self.local_towers
+
+            def share(count):
+                index = tf.distribute.get_replica_context().replica_id_in_sync_group
+                return tf.where(tf.equal(index % first_towers, 0), count, tf.zeros_like(count))
+
+            @tf.function
+            def disagreements(count):
+                shares = self.tf_strategy.run(share, args=(count,))
+                return self.tf_strategy.reduce(tf.distribute.ReduceOp.SUM, shares, axis=None)
+
+            self._disagreements = disagreements
+        return int(self._disagreements(tf.constant(0 if flag else 1, tf.int32))) == 0
 
     def broadcast_object(self, obj):
         data = np.frombuffer(json.dumps(obj).encode(), np.uint8).astype(np.int32)

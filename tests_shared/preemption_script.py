@@ -1,0 +1,103 @@
+"""Trains with AutoResume + ModelSaver as a process a test can signal and restart.
+
+    python preemption_script.py CKPT_DIR OUT.npz [--towers N] [--batch B]
+        [--epochs E] [--slow S] [--marks DIR] [--signal-during-save] [--dropout]
+
+Runs on the backend KERAS_BACKEND names, with N towers (logical CPU devices
+on TensorFlow, forced host devices on JAX) on shuffled numpy arrays, each
+epoch one pass. --slow sleeps S seconds after every step and --marks writes
+a file `step-<global step>` there after every step, so that a test can
+signal the run mid-epoch; --signal-during-save makes the process send
+itself a second SIGTERM while its preemption checkpoint is being written.
+Without --dropout the model is deterministic across tower counts (Dense
+layers only), which the elastic-resume tests need.
+"""
+
+import argparse
+import os
+import signal
+import time
+
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+ARGS = argparse.ArgumentParser()
+ARGS.add_argument("ckpt")
+ARGS.add_argument("out")
+ARGS.add_argument("--towers", type=int, default=2)
+ARGS.add_argument("--batch", type=int, default=4)
+ARGS.add_argument("--epochs", type=int, default=3)
+ARGS.add_argument("--slow", type=float, default=0.0)
+ARGS.add_argument("--marks")
+ARGS.add_argument("--signal-during-save", action="store_true")
+ARGS.add_argument("--dropout", action="store_true")
+ARGS.add_argument("--strict", action="store_true")
+ARGS.add_argument("--save-every", type=int, default=0)
+OPTIONS = ARGS.parse_args()
+
+if os.environ.get("KERAS_BACKEND") == "jax":
+    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")
+                               + f" --xla_force_host_platform_device_count={OPTIONS.towers}")
+
+import keras  # noqa: E402
+import numpy as np  # noqa: E402
+
+import kerastower as kt  # noqa: E402
+
+
+def devices(n):
+    if keras.backend.backend() == "jax":
+        import jax
+
+        return jax.devices()[:n]
+    import tensorflow as tf
+
+    cpu = tf.config.list_physical_devices("CPU")[0]
+    tf.config.set_logical_device_configuration(cpu, [tf.config.LogicalDeviceConfiguration()] * n)
+    tf.config.experimental.enable_op_determinism()
+    return [f"/cpu:{i}" for i in range(n)]
+
+
+class Marks(keras.callbacks.Callback):
+    """Sleeps after every step and leaves a file saying which step ended."""
+
+    def on_train_batch_end(self, batch, logs=None):
+        if OPTIONS.marks:
+            step = self.model.loop.global_step
+            open(os.path.join(OPTIONS.marks, f"step-{step}"), "w").close()
+        time.sleep(OPTIONS.slow)
+
+
+def main():
+    towers = devices(OPTIONS.towers)
+    keras.utils.set_random_seed(7)
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(96, 6)).astype("float32")
+    y = rng.integers(0, 3, 96).astype("int32")
+    if OPTIONS.signal_during_save:
+        save = kt.callbacks.AutoResume.save_on_preemption
+
+        def save_with_a_second_signal(self):
+            os.kill(os.getpid(), signal.SIGTERM)
+            return save(self)
+
+        kt.callbacks.AutoResume.save_on_preemption = save_with_a_second_signal
+    with kt.distributed("mirrored", devices=towers):
+        inputs = keras.Input((6,))
+        h = keras.layers.Dense(16, activation="relu")(inputs)
+        if OPTIONS.dropout:
+            h = keras.layers.Dropout(0.25)(h)
+        model = kt.TowerModel(inputs, keras.layers.Dense(3)(h))
+        model.compile(optimizer=keras.optimizers.Adam(0.01),
+                      loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    resume = kt.callbacks.AutoResume(OPTIONS.ckpt, strict=OPTIONS.strict) if OPTIONS.strict \
+        else kt.callbacks.AutoResume(OPTIONS.ckpt)
+    saver = kt.callbacks.ModelSaver(OPTIONS.ckpt)
+    if OPTIONS.save_every:
+        saver = kt.callbacks.PeriodicTrigger(saver, every_k_steps=OPTIONS.save_every)
+    model.fit(x, y, batch_size=OPTIONS.batch, epochs=OPTIONS.epochs, shuffle=True, verbose=2,
+              callbacks=[resume, saver, Marks()])
+    print("resumed from", resume.restored_from, flush=True)
+    np.savez(OPTIONS.out, *model.get_weights(), step=np.asarray(model.optimizer.iterations))
+
+
+if __name__ == "__main__":
+    main()

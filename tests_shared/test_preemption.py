@@ -1,0 +1,163 @@
+"""A preemption signal saves the step training was at; AutoResume goes on from it, bit-equal.
+
+Real processes get real signals (tests_shared/preemption_script.py, on the
+backend this suite runs on); the in-process tests send the signal from a
+callback, in pytest's main thread.
+"""
+
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import keras
+import numpy as np
+import pytest
+
+from shared_helpers import BACKEND
+from shared_helpers import two_towers  # noqa: F401 (a fixture)
+
+import kerastower as kt
+
+SCRIPT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "preemption_script.py")
+
+
+def _environment():
+    root = os.path.dirname(os.path.dirname(SCRIPT))
+    return dict(os.environ, KERAS_BACKEND=BACKEND, PYTHONPATH=os.pathsep.join(
+        filter(None, [root, os.environ.get("PYTHONPATH")])))
+
+
+def run_script(ckpt, out, *flags):
+    """Runs the script to its end; returns the finished process."""
+    done = subprocess.run([sys.executable, SCRIPT, str(ckpt), str(out), *flags],
+                          capture_output=True, text=True, timeout=300, env=_environment())
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
+    return done
+
+
+def signal_at_step(tmp_path, ckpt, step, *flags, signum=signal.SIGTERM):
+    """Starts the script slowed down, sends `signum` once step `step` has
+    ended; returns (exit status, stdout)."""
+    marks = tmp_path / f"marks-{ckpt.name}"
+    marks.mkdir()
+    process = subprocess.Popen(
+        [sys.executable, SCRIPT, str(ckpt), str(tmp_path / "unused.npz"), "--slow", "0.4",
+         "--marks", str(marks), *flags],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=_environment())
+    deadline = time.time() + 240
+    while not (marks / f"step-{step}").exists():
+        assert process.poll() is None and time.time() < deadline, process.communicate()[0][-3000:]
+        time.sleep(0.05)
+    process.send_signal(signum)
+    output, _ = process.communicate(timeout=120)
+    return process.returncode, output
+
+
+def assert_bit_equal(a_path, b_path, steps):
+    a, b = np.load(a_path), np.load(b_path)
+    assert int(a["step"]) == int(b["step"]) == steps
+    for key in a.files:
+        np.testing.assert_array_equal(a[key], b[key], err_msg=key)
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory):
+    """The weights of the run never interrupted (3 epochs of 12 steps)."""
+    folder = tmp_path_factory.mktemp("uninterrupted")
+    run_script(folder / "ckpt", folder / "a.npz", "--dropout")
+    return folder / "a.npz"
+
+
+def test_sigterm_mid_epoch_saves_that_step_exits_75_and_resume_is_bit_equal(tmp_path, uninterrupted):
+    ckpt = tmp_path / "ckpt"
+    status, output = signal_at_step(tmp_path, ckpt, 5, "--dropout")
+    assert status == 75, output[-3000:]
+    assert "got SIGTERM; stopped after global step" in output, output[-3000:]
+    saved = kt.checkpoint.latest_checkpoint(str(ckpt))
+    step = kt.checkpoint.verify_checkpoint(saved)["global_step"]
+    assert 5 <= step < 12  # mid-epoch: no epoch-end save has been written yet
+    assert f"saved {saved}" in output
+    resumed = run_script(ckpt, tmp_path / "b.npz", "--dropout")
+    assert f"ckpt-{step:08d}" in resumed.stdout
+    assert_bit_equal(uninterrupted, tmp_path / "b.npz", 36)
+
+
+def test_a_second_signal_during_the_save_is_ignored_and_the_checkpoint_is_intact(tmp_path, uninterrupted):
+    ckpt = tmp_path / "ckpt"
+    status, output = signal_at_step(tmp_path, ckpt, 3, "--dropout", "--signal-during-save")
+    assert status == 75, output[-3000:]
+    assert "1 more signal(s) during the save were ignored" in output, output[-3000:]
+    kt.checkpoint.verify_checkpoint(kt.checkpoint.latest_checkpoint(str(ckpt)))
+    run_script(ckpt, tmp_path / "b.npz", "--dropout")
+    assert_bit_equal(uninterrupted, tmp_path / "b.npz", 36)
+
+
+class SendSignal(keras.callbacks.Callback):
+    """Sends this process `signum` at the end of step `step` of an epoch (1-based)."""
+
+    def __init__(self, step, signum):
+        super().__init__()
+        self.step, self.signum = step, signum
+
+    def on_train_batch_end(self, batch, logs=None):
+        if batch + 1 == self.step:
+            signal.raise_signal(self.signum)
+
+
+def _model():
+    inputs = keras.Input((3,))
+    model = kt.TowerModel(inputs, keras.layers.Dense(1)(inputs))
+    model.compile(optimizer="adam", loss="mse")
+    return model
+
+
+def test_sigusr1_in_process_raises_preempted_at_that_step(two_towers, tmp_path):
+    model = _model()
+    folder = str(tmp_path / "ckpt")
+    with pytest.raises(kt.Preempted) as raised:
+        model.fit(np.ones((64, 3)), np.ones((64, 1)), batch_size=4, epochs=2, verbose=0,
+                  callbacks=[kt.callbacks.AutoResume(folder), SendSignal(3, signal.SIGUSR1)])
+    assert raised.value.code == 75 and raised.value.global_step == 3
+    assert raised.value.signal_name == "SIGUSR1"
+    assert raised.value.checkpoint == kt.checkpoint.latest_checkpoint(folder)
+    state = kt.checkpoint.read_checkpoint(raised.value.checkpoint, model)
+    assert (state["global_step"], state["local_step"], state["tower_batches"]) == (3, 3, [3, 3])
+    assert signal.getsignal(signal.SIGUSR1) is signal.SIG_DFL  # put back
+
+
+def test_chosen_signals_and_exit_status_and_off(two_towers, tmp_path):
+    model = _model()
+    seen = []
+    previous = signal.signal(signal.SIGUSR2, lambda *_: seen.append("user handler"))
+    try:
+        with pytest.raises(kt.Preempted) as raised:
+            model.fit(np.ones((64, 3)), np.ones((64, 1)), batch_size=4, verbose=0, callbacks=[
+                kt.callbacks.AutoResume(str(tmp_path / "a"), save_on_signals=["SIGUSR2"],
+                                        exit_status=99), SendSignal(2, signal.SIGUSR2)])
+        assert raised.value.code == 99 and seen == []
+        # Off: the signal goes to the handler there was, and training goes on.
+        model.fit(np.ones((64, 3)), np.ones((64, 1)), batch_size=4, verbose=0, callbacks=[
+            kt.callbacks.AutoResume(str(tmp_path / "b"), save_on_signals=()),
+            SendSignal(2, signal.SIGUSR2)])
+        assert seen == ["user handler"] and model.loop.local_step == 8
+    finally:
+        signal.signal(signal.SIGUSR2, previous)
+    with pytest.raises(kt.ArgumentError, match="'SIGNOPE'"):
+        kt.callbacks.AutoResume(str(tmp_path), save_on_signals=["SIGNOPE"])
+    with pytest.raises(kt.ArgumentError, match="SIGKILL cannot be caught"):
+        kt.callbacks.AutoResume(str(tmp_path), save_on_signals=["SIGKILL"])
+
+
+def test_a_trainer_is_preempted_too(tmp_path):
+    class Count(kt.Trainer):
+        def run_step(self):
+            if self.global_step == 4:
+                signal.raise_signal(signal.SIGTERM)
+
+    with pytest.raises(kt.Preempted) as raised:
+        Count().train(steps_per_epoch=3, max_epoch=3, verbose=0,
+                      callbacks=[kt.callbacks.AutoResume(str(tmp_path))])
+    # The step in which the signal came ends; the trainer stops after it.
+    assert raised.value.global_step == 5
