@@ -161,3 +161,49 @@ def test_a_trainer_is_preempted_too(tmp_path):
                       callbacks=[kt.callbacks.AutoResume(str(tmp_path))])
     # The step in which the signal came ends; the trainer stops after it.
     assert raised.value.global_step == 5
+
+
+def _start_slow(tmp_path, ckpt, name, *flags):
+    marks = tmp_path / f"marks-{name}"
+    marks.mkdir()
+    process = subprocess.Popen(
+        [sys.executable, SCRIPT, str(ckpt), str(tmp_path / f"{name}.npz"), "--slow", "0.4",
+         "--marks", str(marks), *flags],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=_environment())
+    return process, marks
+
+
+def _wait_for(process, marks, step):
+    deadline = time.time() + 240
+    while not (marks / f"step-{step}").exists():
+        assert process.poll() is None and time.time() < deadline, process.communicate()[0][-3000:]
+        time.sleep(0.05)
+
+
+def test_a_second_run_on_a_held_folder_refuses_and_the_first_finishes_bit_equal(tmp_path, uninterrupted):
+    ckpt = tmp_path / "ckpt"
+    first, marks = _start_slow(tmp_path, ckpt, "first", "--dropout")
+    _wait_for(first, marks, 2)
+    second = subprocess.run([sys.executable, SCRIPT, str(ckpt), str(tmp_path / "second.npz"),
+                             "--dropout"], capture_output=True, text=True, timeout=300,
+                            env=_environment())
+    assert second.returncode != 0
+    assert "FolderLockedError" in second.stderr, second.stderr[-3000:]
+    assert f"in use by another run: process {first.pid} on host" in second.stderr
+    assert not (tmp_path / "second.npz").exists()
+    output, _ = first.communicate(timeout=300)
+    assert first.returncode == 0, output[-3000:]
+    assert_bit_equal(uninterrupted, tmp_path / "first.npz", 36)
+    assert not (ckpt / ".kerastower.lock").exists()  # released at the end
+
+
+def test_the_lock_of_a_sigkilled_run_is_taken_over_and_resume_is_bit_equal(tmp_path, uninterrupted):
+    ckpt = tmp_path / "ckpt"
+    killed, marks = _start_slow(tmp_path, ckpt, "killed", "--dropout", "--save-every", "2")
+    _wait_for(killed, marks, 7)
+    killed.kill()
+    killed.communicate()
+    assert (ckpt / ".kerastower.lock").exists()
+    resumed = run_script(ckpt, tmp_path / "b.npz", "--dropout")
+    assert f"process {killed.pid} on host" in resumed.stderr and "no longer runs" in resumed.stderr
+    assert_bit_equal(uninterrupted, tmp_path / "b.npz", 36)

@@ -25,6 +25,8 @@ from kerastower.callbacks.defaults import with_default_monitors
 from kerastower.callbacks.base import Callback as KtCallback
 from kerastower.callbacks.base import unwrapped
 from kerastower.errors import StrategyError
+from kerastower.checkpoint.folder_lock import FolderLock
+from kerastower.checkpoint.folder_lock import FolderLockedError
 from kerastower.checkpoint.resume_state import ResumeState
 from kerastower.loop import preemption
 
@@ -267,6 +269,7 @@ class MainLoop:
         model.stop_training = False
         loop.training_failed = False
         epoch_logs = None
+        locks = self._lock_folders()
         try:
             state = self._restore()
             callbacks.on_train_begin()
@@ -293,6 +296,41 @@ class MainLoop:
             raise
         else:
             self._after_train(epoch_logs)
+        finally:
+            for lock in locks:
+                lock.release()
+
+    def _lock_folders(self):
+        """Takes, on the chief, the run's folders: its log folder and the
+        checkpoint folders of its callbacks (AutoResume, ModelSaver,
+        MinSaver: their `checkpoint_dir`). A second run on one
+        of them refuses (`FolderLockedError`) before it reads or writes
+        anything; the other processes of this run share the chief's."""
+        if not self.strategy.is_chief:
+            return []
+        folders = [self.loop.logdir] + [
+            getattr(unwrapped(callback), "checkpoint_dir", None)
+            for callback in getattr(self.callbacks, "callbacks", self.callbacks) or []
+        ]
+        locks = []
+        try:
+            for folder in dict.fromkeys(os.path.realpath(f) for f in folders if f is not None):
+                lock = FolderLock(folder)
+                try:
+                    lock.acquire()
+                except FolderLockedError:
+                    raise
+                except OSError as error:
+                    # A folder that cannot be written: its own users say so.
+                    warnings.warn(f"kerastower: {self.name} could not lock {folder!r} "
+                                  f"against a second run ({type(error).__name__}: {error}).")
+                    continue
+                locks.append(lock)
+        except BaseException:
+            for lock in locks:
+                lock.release()
+            raise
+        return locks
 
     def _restore(self):
         """Restores the newest checkpoint (AutoResume's) on the chief, then
