@@ -88,8 +88,7 @@ def main():
         model = kt.TowerModel(inputs, keras.layers.Dense(3)(h))
         model.compile(optimizer=keras.optimizers.Adam(0.01),
                       loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
-    resume = kt.callbacks.AutoResume(OPTIONS.ckpt, strict=OPTIONS.strict) if OPTIONS.strict \
-        else kt.callbacks.AutoResume(OPTIONS.ckpt)
+    resume = kt.callbacks.AutoResume(OPTIONS.ckpt, strict=OPTIONS.strict)
     saver = kt.callbacks.ModelSaver(OPTIONS.ckpt)
     if OPTIONS.save_every:
         saver = kt.callbacks.PeriodicTrigger(saver, every_k_steps=OPTIONS.save_every)

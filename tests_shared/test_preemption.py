@@ -207,3 +207,57 @@ def test_the_lock_of_a_sigkilled_run_is_taken_over_and_resume_is_bit_equal(tmp_p
     resumed = run_script(ckpt, tmp_path / "b.npz", "--dropout")
     assert f"process {killed.pid} on host" in resumed.stderr and "no longer runs" in resumed.stderr
     assert_bit_equal(uninterrupted, tmp_path / "b.npz", 36)
+
+
+@pytest.fixture(scope="module")
+def elastic(tmp_path_factory):
+    """A deterministic model's uninterrupted run on 2 towers x 4, and a
+    checkpoint of the same run preempted after step 5 (40 examples in)."""
+    folder = tmp_path_factory.mktemp("elastic")
+    run_script(folder / "straight", folder / "a.npz")
+    status, output = signal_at_step(folder, folder / "ckpt", 5)
+    assert status == 75, output[-3000:]
+    return folder
+
+
+def _resume_copy(elastic, tmp_path, *flags, ok=True):
+    import shutil
+
+    shutil.copytree(elastic / "ckpt", tmp_path / "ckpt")
+    done = subprocess.run([sys.executable, SCRIPT, str(tmp_path / "ckpt"), str(tmp_path / "b.npz"),
+                           *flags], capture_output=True, text=True, timeout=300, env=_environment())
+    assert (done.returncode == 0) == ok, done.stdout[-3000:] + done.stderr[-3000:]
+    return done
+
+
+def _assert_close(a_path, b_path, steps):
+    a, b = np.load(a_path), np.load(b_path)
+    assert int(a["step"]) == int(b["step"]) == steps
+    for key in a.files:
+        np.testing.assert_allclose(a[key], b[key], rtol=1e-5, atol=1e-5, err_msg=key)
+
+
+@pytest.mark.parametrize("towers,batch", [(1, 8), (4, 2)])
+def test_two_towers_resume_on_another_number_at_the_same_total_batch(elastic, tmp_path, towers, batch):
+    done = _resume_copy(elastic, tmp_path, "--towers", str(towers), "--batch", str(batch))
+    step = kt.checkpoint.verify_checkpoint(kt.checkpoint.latest_checkpoint(str(elastic / "ckpt")))
+    assert step["global_step"] == 5
+    assert (f"The checkpoint was written by 2 tower(s) x 4 = total batch 8; this run has "
+            f"{towers} tower(s) x {batch} = total batch 8: the same total batch. The input goes "
+            "on at example 40 of the pass.") in done.stdout, done.stdout[-3000:]
+    _assert_close(elastic / "a.npz", tmp_path / "b.npz", 36)
+
+
+def test_another_total_batch_resumes_saying_so_and_strict_refuses(elastic, tmp_path):
+    done = _resume_copy(elastic, tmp_path, "--towers", "1", "--batch", "12")
+    # 40 examples are 3 steps of 12 and 4 examples: those 4 are read again.
+    assert ("this run has 1 tower(s) x 12 = total batch 12: another total batch (weights, "
+            "optimizer state and step are restored") in done.stdout, done.stdout[-3000:]
+    assert "The input goes on at example 36 of the pass (4 example(s) after it" in done.stdout
+    assert "going on at epoch 1, step 3." in done.stdout
+    b = np.load(tmp_path / "b.npz")
+    assert int(b["step"]) == 5 + (8 - 3) + 8 + 8  # the rest of pass 1, then 2 passes of 8 steps
+    refused = _resume_copy(elastic, tmp_path / "strict", "--towers", "1", "--batch", "12",
+                           "--strict", ok=False)
+    assert "AutoResume(strict=True) refuses to resume" in refused.stderr
+    assert "the total batch differs" in refused.stderr

@@ -286,11 +286,12 @@ class AutoResume(Callback):
         (12, 12)
     """
 
-    def __init__(self, checkpoint_dir, allow_partial=False,
+    def __init__(self, checkpoint_dir, allow_partial=False, strict=False,
                  save_on_signals=preemption.DEFAULT_SIGNALS, exit_status=preemption.EXIT_STATUS):
         super().__init__()
         self.checkpoint_dir = checkpoint_dir
         self.allow_partial = allow_partial
+        self.strict = bool(strict)
         self.save_on_signals = preemption.signal_numbers(save_on_signals, "AutoResume")
         self.exit_status = integer(exit_status, "exit_status", "AutoResume", minimum=0)
         self.restored_from = None
@@ -309,7 +310,6 @@ class AutoResume(Callback):
         if path is None:
             return None
         state = ResumeState.from_dict(values)
-        state.check_towers(self.model.num_towers)
         self.restored_from = path
         return state
 

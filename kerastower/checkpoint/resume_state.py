@@ -10,7 +10,7 @@ import time
 
 from kerastower.errors import KerasTowerError
 
-__all__ = ["ResumeState"]
+__all__ = ["ResumeState", "ElasticMove"]
 
 
 @dataclasses.dataclass
@@ -29,6 +29,9 @@ class ResumeState:
             (at its end), so that a resume starts the next one.
         one_pass: whether an epoch was one pass over the input (no
             steps_per_epoch); `tower_batches` then count from the pass's start.
+        batch_size: examples in each tower's batch when the input was numpy
+            arrays (fit's `batch_size`); None when the source made its own
+            batches (tower_batches then count those).
         time: when it was written (seconds since the epoch).
     """
 
@@ -40,6 +43,7 @@ class ResumeState:
     num_towers: int = 1
     epoch_ended: bool = False
     one_pass: bool = False
+    batch_size: int = None
     time: float = 0.0
 
     @classmethod
@@ -54,6 +58,7 @@ class ResumeState:
             num_towers=num_towers,
             epoch_ended=loop.epoch_ended,
             one_pass=loop.one_pass,
+            batch_size=loop.batch_size,
             time=time.time(),
         )
 
@@ -70,13 +75,31 @@ class ResumeState:
     def to_dict(self):
         return dataclasses.asdict(self)
 
-    def check_towers(self, num_towers):
-        if self.num_towers != num_towers and any(self.tower_batches):
-            raise KerasTowerError(
-                f"The checkpoint was written by {self.num_towers} towers; this run has "
-                f"{num_towers}, so the input position cannot be restored. Resume with "
-                "the same number of towers."
-            )
+    def total_batch(self):
+        """Examples in one step then, or None when the source batched itself."""
+        return None if self.batch_size is None else self.batch_size * self.num_towers
+
+    def on_towers(self, num_towers, batch_size):
+        """This position as `num_towers` towers taking batches of
+        `batch_size` examples (None: the source's own batches) would hold
+        it: an `ElasticMove` (the same state when nothing changed).
+
+        The input position is kept in examples where both runs read numpy
+        arrays (the position in the pass is `sum(tower_batches) x
+        batch_size`), else in the source's batches. Towers take whole steps,
+        so a position that is not a whole number of the new steps goes back
+        to the step before it (those examples are read again).
+        """
+        if num_towers == self.num_towers and batch_size == self.batch_size:
+            return ElasticMove(self, self, num_towers, batch_size, 0)
+        unit = 1 if batch_size is None or self.batch_size is None else batch_size
+        taken = sum(self.tower_batches) * (1 if unit == 1 else self.batch_size)
+        steps, again = divmod(taken, num_towers * unit)
+        moved = dataclasses.replace(self, num_towers=num_towers, batch_size=batch_size,
+                                    tower_batches=[steps] * num_towers if taken else [])
+        if self.one_pass and not self.epoch_ended:
+            moved.local_step = steps
+        return ElasticMove(self, moved, num_towers, batch_size, again)
 
     def start_position(self, steps_per_epoch):
         """(epoch_num, first step, batches each tower skips) to go on from.
@@ -99,3 +122,58 @@ class ResumeState:
         if self.steps_per_epoch != steps_per_epoch or self.local_step >= steps_per_epoch:
             return self.epoch_num + 1, 0, skip
         return self.epoch_num, self.local_step, skip
+
+
+class ElasticMove:
+    """A resume on another number of towers or batch size: the position
+    then (`saved`), as this run holds it (`state`), and what it changes.
+
+    Attributes:
+        same_total_batch: whether a step takes as many examples as then
+            (known where both runs read numpy arrays; False otherwise,
+            unless nothing changed).
+        read_again: examples (or, for a source that batches itself, its
+            batches) of the pass read a second time, because the saved
+            position is not a whole number of this run's steps.
+    """
+
+    def __init__(self, saved, state, num_towers, batch_size, read_again):
+        self.saved = saved
+        self.state = state
+        self.read_again = read_again
+        self.changed = saved is not state
+        now = None if batch_size is None else batch_size * num_towers
+        self.same_total_batch = not self.changed or (now is not None and now == saved.total_batch())
+
+    @property
+    def exact(self):
+        """Whether the resumed run takes exactly what the uninterrupted one would."""
+        return self.same_total_batch and not self.read_again
+
+    def describe(self):
+        """The start line's account of what changed, or "" when nothing did."""
+        if not self.changed:
+            return ""
+        saved, state = self.saved, self.state
+
+        def steps(towers, batch):
+            if batch is None:
+                return f"{towers} tower(s) x the source's batch"
+            return f"{towers} tower(s) x {batch} = total batch {towers * batch}"
+
+        unit = "example" if saved.batch_size is not None and state.batch_size is not None \
+            else "batch of the source"
+        taken = sum(state.tower_batches) * (state.batch_size if unit == "example" else 1)
+        text = (f"The checkpoint was written by {steps(saved.num_towers, saved.batch_size)}; "
+                f"this run has {steps(state.num_towers, state.batch_size)}")
+        if self.same_total_batch:
+            text += ": the same total batch"
+        else:
+            text += (": another total batch (weights, optimizer state and step are restored; "
+                     "training from here differs from the uninterrupted run's)")
+        if any(saved.tower_batches):
+            text += f". The input goes on at {unit} {taken} of the pass"
+            if self.read_again:
+                text += (f" ({self.read_again} {unit}(s) after it were taken before the "
+                         "checkpoint: not a whole step of this run, they are read again)")
+        return text + "."

@@ -52,6 +52,11 @@ class FitSteps(Iteration):
         # Keras 3.15's TerminateOnNaN(raise_error=True) raises instead.
         self.nan_raises = any(getattr(c, "raise_error", False) for c in terminate_on_nan)
 
+    @property
+    def tower_batch_size(self):
+        rows = getattr(self.source, "rows", None)  # numpy arrays (inputs/array_rows.py)
+        return None if rows is None else rows.batch_size
+
     def start(self, skip_batches, epoch_num):
         self.feed = self.model.engine.fit_feed(self.source, self.steps_per_epoch, self.steps_per_call)
         self.feed.start(skip_batches, epoch_num)

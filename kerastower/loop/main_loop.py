@@ -24,6 +24,7 @@ from kerastower.callbacks.defaults import TENSORBOARD_KINDS
 from kerastower.callbacks.defaults import with_default_monitors
 from kerastower.callbacks.base import Callback as KtCallback
 from kerastower.callbacks.base import unwrapped
+from kerastower.errors import KerasTowerError
 from kerastower.errors import StrategyError
 from kerastower.checkpoint.folder_lock import FolderLock
 from kerastower.checkpoint.folder_lock import FolderLockedError
@@ -78,6 +79,8 @@ class LoopState:
             training that raised (not for StopTraining).
         logdir: the run's log folder (`fit(logdir=...)`), or None: where
             callbacks without a folder of their own write (MinSaver).
+        batch_size: examples in each tower's batch when the input is numpy
+            arrays (fit's `batch_size`); None when the source batches itself.
 
     Examples:
         >>> import keras, numpy as np, kerastower as kt
@@ -107,6 +110,7 @@ class LoopState:
         self.one_pass = False
         self.training_failed = False
         self.logdir = None
+        self.batch_size = None
 
     def __repr__(self):
         return (
@@ -124,6 +128,7 @@ class Iteration:
     """
 
     steps_per_call = 1
+    tower_batch_size = None  # examples in a tower's batch of numpy arrays, else None
 
     def start(self, skip_batches, epoch_num):
         """Before the first epoch (`epoch_num`): open the input, skipping
@@ -265,6 +270,7 @@ class MainLoop:
         loop.max_epoch = max_epoch
         loop.steps_per_epoch = steps_per_epoch or epoch_length
         loop.one_pass = not steps_per_epoch
+        loop.batch_size = iteration.tower_batch_size
         loop.tower_batches = [0] * model.num_towers
         model.stop_training = False
         loop.training_failed = False
@@ -348,7 +354,6 @@ class MainLoop:
         if state is None:
             return None
         state = ResumeState.from_dict(state)
-        state.check_towers(self.model.num_towers)
         self.loop.global_step = state.global_step
         return state
 
@@ -403,15 +408,19 @@ class MainLoop:
         keras_epoch = _compat.initial_epoch(self.model)  # Keras's BackupAndRestore
         if state is None:
             return (keras_epoch + 1 if keras_epoch else starting_epoch), 0, None
-        epoch_num, first_step, skip = state.start_position(steps_per_epoch)
+        move = state.on_towers(self.model.num_towers, loop.batch_size)
+        self._check_elastic(move)
+        epoch_num, first_step, skip = move.state.start_position(steps_per_epoch)
         if skip is not None:
             loop.tower_batches = list(skip)
         if self.strategy.is_chief and getattr(self.callbacks, "params", {}).get("verbose", 1):
             _compat.print_msg(
                 f"{self.name}: resumed from {self.training_run.restored_from or 'a checkpoint'} "
                 f"(global step {state.global_step}): going on at epoch {epoch_num}, "
-                f"step {first_step}."
+                f"step {first_step}.{' ' + move.describe() if move.changed else ''}"
             )
+        elif move.changed and not move.exact and self.strategy.is_chief:
+            warnings.warn(f"kerastower: {self.name} resumed on other towers. {move.describe()}")
         if state.steps_per_epoch != loop.steps_per_epoch and steps_per_epoch:
             _compat.print_msg(
                 f"{self.name}: the checkpoint was written with steps_per_epoch="
@@ -419,6 +428,25 @@ class MainLoop:
                 f"at epoch {epoch_num}, step 0."
             )
         return epoch_num, first_step, skip
+
+    def _check_elastic(self, move):
+        """Refuses a resume that cannot equal the uninterrupted run when
+        AutoResume asks for strict reproduction (`strict=True`)."""
+        resumer = self._resumer()
+        if not move.changed or move.exact or not getattr(resumer, "strict", False):
+            return
+        why = ("the source makes its own batches, so whether a step holds as many examples "
+               "as then cannot be known" if move.state.batch_size is None or
+               move.saved.batch_size is None else
+               "the total batch differs" if not move.same_total_batch else
+               "the saved position is not a whole number of this run's steps")
+        raise KerasTowerError(
+            f"AutoResume(strict=True) refuses to resume from "
+            f"{self.training_run.restored_from}: {move.describe()} Exactly the uninterrupted "
+            f"run cannot be reproduced: {why}. Resume with the same total batch "
+            "(towers x batch_size) on numpy arrays, or with the same number of towers, or "
+            "pass strict=False to go on anyway."
+        )
 
     def _run_epoch(self, iteration, epoch_num, first_step, steps_per_epoch):
         loop, callbacks, model = self.loop, self.callbacks, self.model
