@@ -9,6 +9,7 @@ logged value must agree, as in test_jax_equivalence.py.
 
 import doctest
 import itertools
+import signal
 import threading
 
 import keras
@@ -389,6 +390,29 @@ def test_a_resumed_run_equals_an_uninterrupted_one(tmp_path, kind, stop_at):
     # Resumed without the input position, the batches would differ: the test can fail.
     shorter = _train_resumable(str(tmp_path / "c"), kind, epochs=2)
     assert any(not np.array_equal(a, b) for a, b in zip(whole.get_weights(), shorter.get_weights()))
+
+
+class _SigtermAt(keras.callbacks.Callback):
+    def __init__(self, step):
+        super().__init__()
+        self.step = step
+
+    def on_train_batch_end(self, batch, logs=None):
+        if self.model.loop.global_step == self.step:
+            signal.raise_signal(signal.SIGTERM)
+
+
+@pytest.mark.parametrize("kind, stop_at", [("pydataset", 7), ("iterable", 8), ("generator", 7)])
+def test_a_preempted_run_resumes_equal_to_an_uninterrupted_one(tmp_path, kind, stop_at):
+    """SIGTERM mid-epoch saves that very step (not the last periodic save, 6)."""
+    whole = _train_resumable(str(tmp_path / "a"), kind)
+    with pytest.raises(kt.Preempted) as stopped:
+        _train_resumable(str(tmp_path / "b"), kind, [_SigtermAt(stop_at)])
+    assert stopped.value.checkpoint.endswith(f"ckpt-{stop_at:08d}")
+    resumed = _train_resumable(str(tmp_path / "b"), kind)
+    assert int(resumed.optimizer.iterations.numpy()) == int(whole.optimizer.iterations.numpy())
+    for a, b in zip(whole.get_weights(), resumed.get_weights()):
+        np.testing.assert_array_equal(a, b)
 
 
 def test_a_tf_data_dataset_is_read_as_keras_reads_it_on_each_backend():

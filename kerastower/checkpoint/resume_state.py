@@ -161,9 +161,9 @@ class ElasticMove:
                 return f"{towers} tower(s) x the source's batch"
             return f"{towers} tower(s) x {batch} = total batch {towers * batch}"
 
-        unit = "example" if saved.batch_size is not None and state.batch_size is not None \
-            else "batch of the source"
-        taken = sum(state.tower_batches) * (state.batch_size if unit == "example" else 1)
+        in_examples = saved.batch_size is not None and state.batch_size is not None
+        unit = "example" if in_examples else "source batch"
+        taken = sum(state.tower_batches) * (state.batch_size if in_examples else 1)
         text = (f"The checkpoint was written by {steps(saved.num_towers, saved.batch_size)}; "
                 f"this run has {steps(state.num_towers, state.batch_size)}")
         if self.same_total_batch:
@@ -173,6 +173,9 @@ class ElasticMove:
                      "training from here differs from the uninterrupted run's)")
         if any(saved.tower_batches):
             text += f". The input goes on at {unit} {taken} of the pass"
+            if not in_examples:
+                text += (" (the source's batches are counted: if they now hold another "
+                         "number of examples, the position moved with them)")
             if self.read_again:
                 text += (f" ({self.read_again} {unit}(s) after it were taken before the "
                          "checkpoint: not a whole step of this run, they are read again)")
