@@ -11,7 +11,7 @@ and "saved <global_step>" after each step's save.
 FAULT_KILL="<global step>:<save>:<event>" makes the run SIGKILL itself
 inside its <save>-th save (1: the step's, 2: the epoch end's replace) at
 <global step>, just before the <event>-th file-system event of that save:
-TensorFlow's SaveV2, an fsync, a rename, or an rmtree. The hook lives here
+numpy's savez (the variables), an fsync, a rename, or an rmtree. The hook lives here
 only, not in kerastower.
 
 --zygote pays TensorFlow's import once: for each line "CKPT_DIR OUT.npz
@@ -62,7 +62,7 @@ def install_kill_hook(spec):
             return original(*args, **kwargs)
         return call
 
-    for owner, name in ((os, "fsync"), (os, "rename"), (shutil, "rmtree"), (tf.raw_ops, "SaveV2")):
+    for owner, name in ((os, "fsync"), (os, "rename"), (shutil, "rmtree"), (np, "savez")):
         setattr(owner, name, counted(getattr(owner, name)))
 
     trigger = kt.callbacks.ModelSaver._trigger

@@ -271,6 +271,26 @@ class AutoResume(Callback):
     pass over finite data (no steps_per_epoch), by skipping those taken in
     the interrupted pass, whose order is replayed (docs/epochs.md).
 
+    A checkpoint of another number of towers resumes too: on numpy arrays
+    at the same example, exactly when the total batch (towers x batch_size)
+    is the same; the start line says what changed (docs/resuming.md).
+
+    While training runs, the `save_on_signals` (SIGTERM and SIGUSR1; `()`
+    turns it off) stop it after the current step, on every process alike;
+    the chief writes and verifies a checkpoint of that step into
+    `checkpoint_dir`, and `kt.Preempted` ends the process with
+    `exit_status`. The run's folders are locked against a second run
+    (kerastower/checkpoint/folder_lock.py).
+
+    Args:
+        checkpoint_dir: the folder of the checkpoints (ModelSaver's).
+        allow_partial: restore the variables that fit, warn about the rest.
+        strict: refuse a resume that cannot equal the uninterrupted run
+            (another total batch, a source that batches itself on other
+            towers).
+        save_on_signals: signal names or numbers that save and stop.
+        exit_status: the exit status after such a save (75, EX_TEMPFAIL).
+
     Examples:
         >>> import keras, numpy as np, kerastower as kt
         >>> def train(epochs):

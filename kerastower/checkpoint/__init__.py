@@ -2,15 +2,14 @@
 
 The modules: `store.py` writes, reads, lists and verifies checkpoint
 folders (`kt.checkpoint.*`); `files.py` the atomic, checksummed files and
-manifest; `keys.py` each variable's key; `variables.py` the variables per
-backend; `resume_state.py` the loop position a resume goes on from;
-`training_state.py` which variables a run carries.
+manifest; `keys.py` each variable's key; `variables.py` the variables'
+file, the same on every backend; `resume_state.py` the loop position a
+resume goes on from; `training_state.py` which variables a run carries.
 
 A checkpoint is a folder `ckpt-<global_step>` inside the checkpoint directory:
 
     ckpt-00000120/
-        variables.index, variables.data-00000-of-00001 (TensorFlow), or
-        variables.npz (JAX: kerastower/checkpoint/variables.py)
+        variables.npz   (`np.savez`, on every backend: kerastower/checkpoint/variables.py)
                         every variable a run carries, each under its key
                         (kerastower/checkpoint/keys.py): the model's
                         (seed-generator states included) and every
@@ -32,6 +31,24 @@ each weight where it belongs. Variables the model has and the checkpoint
 lacks, the other way round, or of another shape or dtype raise
 `CheckpointMismatchError` listing them, unless `allow_partial=True`, which
 restores the rest and warns about them.
+
+One exception to "the same dtype": an integer variable saved as another
+integer dtype of the same shape is restored with a cast to the model's
+dtype when every value fits it (checked against its minimum and maximum);
+a value that does not fit is a mismatch naming the key, both dtypes and the
+value (`CheckpointMismatchError.out_of_range`). This is what lets a
+checkpoint written on TensorFlow resume on JAX and the other way round: the
+optimizer's step counter (`optimizer/adam/iteration`, say) is int64 on TensorFlow
+and int32 on JAX, a seed generator's state (`model/<layer>/seed_generator_state`)
+int64 on TensorFlow and uint32 on JAX. Float dtypes must match exactly
+(float16 against float32 is a mismatch). Manifests name dtypes the same
+way on both backends ("float32", "int64", "bfloat16").
+
+Checkpoints written on TensorFlow by older kerastower versions hold
+`variables.index` and `variables.data-*` (TensorFlow's format) instead of
+`variables.npz`; they are still read where TensorFlow can be imported, and
+where it cannot, reading one raises a KerasTowerError saying TensorFlow is
+needed (kerastower/checkpoint/variables.py).
 
 Examples:
     >>> import os, tempfile, keras, numpy as np, kerastower as kt

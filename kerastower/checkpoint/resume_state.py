@@ -90,7 +90,10 @@ class ResumeState:
         so a position that is not a whole number of the new steps goes back
         to the step before it (those examples are read again).
         """
-        if num_towers == self.num_towers and batch_size == self.batch_size:
+        if num_towers == self.num_towers and (
+                batch_size == self.batch_size or None in (batch_size, self.batch_size)):
+            # The same towers: the position counts batches, as it always did
+            # (checkpoints of older versions do not record a batch size).
             return ElasticMove(self, self, num_towers, batch_size, 0)
         unit = 1 if batch_size is None or self.batch_size is None else batch_size
         taken = sum(self.tower_batches) * (1 if unit == 1 else self.batch_size)

@@ -62,6 +62,9 @@ class CheckpointMismatchError(KerasTowerError):
         missing: [(key, shape)] the model has and the checkpoint lacks.
         unexpected: [(key, shape)] the checkpoint has and the model lacks.
         reshaped: [(key, saved shape and dtype, model shape and dtype)].
+        out_of_range: [(key, saved dtype, model dtype, value)]: integer
+            variables of another integer dtype (restored with a cast) with a
+            value the model's dtype cannot hold.
 
     Examples:
         >>> import keras, numpy as np, kerastower as kt
@@ -78,10 +81,11 @@ class CheckpointMismatchError(KerasTowerError):
         [('model/dense/kernel', '(3, 1) float32', '(4, 1) float32')]
     """
 
-    def __init__(self, path, missing, unexpected, reshaped):
+    def __init__(self, path, missing, unexpected, reshaped, out_of_range=()):
+        out_of_range = list(out_of_range)
         super().__init__(
             f"The checkpoint {path} does not fit this model:"
-            f"{_describe(missing, unexpected, reshaped)}\n"
+            f"{_describe(missing, unexpected, reshaped, out_of_range)}\n"
             "Build the same model (layer names decide where weights go), point the "
             "checkpoint directory elsewhere, or pass allow_partial=True to restore the "
             "variables that fit and keep the others as they are."
@@ -89,9 +93,10 @@ class CheckpointMismatchError(KerasTowerError):
         self.missing = missing
         self.unexpected = unexpected
         self.reshaped = reshaped
+        self.out_of_range = out_of_range
 
 
-def _describe(missing, unexpected, reshaped):
+def _describe(missing, unexpected, reshaped, out_of_range=()):
     lines = []
     if missing:
         lines.append("\n  missing from the checkpoint (the model has them): "
@@ -102,6 +107,11 @@ def _describe(missing, unexpected, reshaped):
     if reshaped:
         lines.append("\n  another shape or dtype: " + ", ".join(
             f"{key} saved {saved}, model {now}" for key, saved, now in reshaped))
+    if out_of_range:
+        lines.append("\n  an integer the model's dtype cannot hold: " + ", ".join(
+            f"{key} saved {saved} holds {value}, model {now} holds "
+            f"{np.iinfo(now).min} to {np.iinfo(now).max}"
+            for key, saved, now, value in out_of_range))
     return "".join(lines)
 
 
@@ -254,23 +264,42 @@ def write_checkpoint(directory, model, state, retention=None):
 
 
 def _match(manifest, keyed):
-    """(pairs of (key, variable) to restore, missing, unexpected, reshaped)."""
+    """(triples of (key, variable, cast) to restore, missing, unexpected,
+    reshaped); `cast` is the model's dtype where the checkpoint holds the
+    variable as another integer dtype of the same shape, else None."""
     saved = {v["key"]: v for v in manifest["variables"]}
-    pairs, missing, reshaped = [], [], []
+    restorable, missing, reshaped = [], [], []
     for key, _, variable in keyed:
         shape, dtype = list(variable.shape), checkpoint_variables.dtype_name(variable.dtype)
         if key not in saved:
             missing.append((key, tuple(shape)))
-        elif (saved[key]["shape"], saved[key]["dtype"]) != (shape, dtype):
+        elif (saved[key]["shape"], saved[key]["dtype"]) == (shape, dtype):
+            restorable.append((key, variable, None))
+        elif (saved[key]["shape"] == shape and checkpoint_variables.is_integer(dtype)
+              and checkpoint_variables.is_integer(saved[key]["dtype"])):
+            restorable.append((key, variable, dtype))
+        else:
             reshaped.append((key, f"{tuple(saved[key]['shape'])} {saved[key]['dtype']}",
                              f"{tuple(shape)} {dtype}"))
-        else:
-            pairs.append((key, variable))
     known = {key for key, _, _ in keyed}
     unexpected = [
         (v["key"], tuple(v["shape"])) for v in manifest["variables"] if v["key"] not in known
     ]
-    return pairs, missing, unexpected, reshaped
+    return restorable, missing, unexpected, reshaped
+
+
+def _beyond(value, dtype):
+    """A value in the integer array `value` that the integer dtype `dtype`
+    cannot hold (as a Python int), or None when every one fits."""
+    if value.size == 0:
+        return None
+    info = np.iinfo(dtype)
+    low, high = int(value.min()), int(value.max())
+    if low < info.min:
+        return low
+    if high > info.max:
+        return high
+    return None
 
 
 def read_checkpoint(path, model, allow_partial=False):
@@ -280,7 +309,10 @@ def read_checkpoint(path, model, allow_partial=False):
     Raises DamagedCheckpointError (nothing restored) when the checkpoint is
     incomplete, damaged or holds NaN/Inf, and CheckpointMismatchError when
     the variables do not fit, unless `allow_partial`, which restores those
-    that fit and warns about the others.
+    that fit and warns about the others. An integer variable saved as
+    another integer dtype (TensorFlow's int64 step counter, JAX's int32) is
+    cast to the model's when every value fits it; a value that does not is
+    a mismatch.
 
     Examples:
         >>> import keras, numpy as np, kerastower as kt
@@ -299,27 +331,39 @@ def read_checkpoint(path, model, allow_partial=False):
     manifest = checkpoint_files.verify(path)
     with open(os.path.join(path, checkpoint_files.STATE)) as f:
         state = json.load(f)
-    pairs, missing, unexpected, reshaped = _match(manifest, keyed_variables(model))
-    if missing or unexpected or reshaped:
-        if not allow_partial:
-            raise CheckpointMismatchError(path, missing, unexpected, reshaped)
-        warnings.warn(
-            f"kerastower: partial restore from {path} (allow_partial=True); not restored:"
-            f"{_describe(missing, unexpected, reshaped)}",
-            stacklevel=2,
-        )
+    restorable, missing, unexpected, reshaped = _match(manifest, keyed_variables(model))
+    if (missing or unexpected or reshaped) and not allow_partial:
+        raise CheckpointMismatchError(path, missing, unexpected, reshaped)
+    saved_dtypes = {v["key"]: v["dtype"] for v in manifest["variables"]}
+    keys = [key for key, _, _ in restorable]
     try:
-        stored = checkpoint_variables.read(path, [key for key, _ in pairs])
-        values = [(key, variable, value) for (key, variable), value in zip(pairs, stored)]
+        stored = checkpoint_variables.read(path, keys, [saved_dtypes[key] for key in keys])
     except (OSError, ValueError) as error:
         raise DamagedCheckpointError(path, f"unreadable variables ({error})") from None
-    bad = [key for key, _, value in values if not _all_finite(value)]
+    bad = [key for key, value in zip(keys, stored) if not _all_finite(value)]
     if bad:
         raise DamagedCheckpointError(
             path, f"non-finite values (NaN or Inf) in {', '.join(bad[:5])}"
         )
+    values, out_of_range = [], []
+    for (key, variable, cast), value in zip(restorable, stored):
+        if cast is not None:
+            beyond = _beyond(value, cast)
+            if beyond is not None:
+                out_of_range.append((key, saved_dtypes[key], cast, beyond))
+                continue
+            value = value.astype(cast)
+        values.append((variable, value))
+    if out_of_range and not allow_partial:
+        raise CheckpointMismatchError(path, [], [], [], out_of_range)
+    if missing or unexpected or reshaped or out_of_range:
+        warnings.warn(
+            f"kerastower: partial restore from {path} (allow_partial=True); not restored:"
+            f"{_describe(missing, unexpected, reshaped, out_of_range)}",
+            stacklevel=2,
+        )
     _sync(model)  # else the towers' held weights would overwrite the restored ones
-    for _, variable, value in values:
+    for variable, value in values:
         variable.assign(value)
     return state
 
