@@ -415,6 +415,34 @@ def test_a_preempted_run_resumes_equal_to_an_uninterrupted_one(tmp_path, kind, s
         np.testing.assert_array_equal(a, b)
 
 
+def test_a_pydataset_of_two_towers_resumes_on_one_at_the_same_source_batch(tmp_path, capsys):
+    """A source that makes its own batches keeps its position in them on
+    another number of towers: 2 towers took 8 of 12 batches; 1 tower goes on
+    with batch 8, exactly as the checkpoint's weights and optimizer trained
+    on batches 8 to 11 would."""
+    batches = _cut(_arrays(12 * B, seed=5)[:2], [B] * 12)
+    folder = str(tmp_path / "ckpt")
+    with pytest.raises(kt.Preempted) as stopped:
+        _dense(2).fit(Batches(batches), epochs=1, verbose=0, shuffle=False,
+                      callbacks=[kt.callbacks.AutoResume(folder), _SigtermAt(4)])
+    resumed = _dense(1)
+    capsys.readouterr()
+    resumed.fit(Batches(batches), epochs=1, verbose=1, shuffle=False,
+                callbacks=[kt.callbacks.AutoResume(folder)])
+    said = capsys.readouterr().out
+    assert ("The checkpoint was written by 2 tower(s) x the source's batch; this run has 1 "
+            "tower(s) x the source's batch") in said, said
+    assert "The input goes on at source batch 8 of the pass (the source's batches are counted" in said
+    assert resumed.loop.global_step == 4 + 4
+    reference = _dense(1)
+    with reference.tower_strategy.scope():
+        reference.optimizer.build(reference.trainable_variables)
+    kt.checkpoint.read_checkpoint(stopped.value.checkpoint, reference)
+    reference.fit(Batches(batches[8:]), epochs=1, verbose=0, shuffle=False)
+    for a, b in zip(reference.get_weights(), resumed.get_weights()):
+        np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-6)
+
+
 def test_a_tf_data_dataset_is_read_as_keras_reads_it_on_each_backend():
     """On TensorFlow a pipeline; on JAX an iterable of numpy batches (as Keras
     reads it there), iterated afresh every pass."""
