@@ -33,8 +33,8 @@ right now). A lock of a live process on this host, or of any process on
 another host (which cannot be checked from here), is never taken over.
 
 Example:
-    >>> import json, os, tempfile
-    >>> from kerastower.checkpoint.folder_lock import FolderLock, FolderLockedError
+    >>> import os, tempfile
+    >>> from kerastower.checkpoint.folder_lock import FolderLock
     >>> folder = tempfile.mkdtemp()
     >>> with FolderLock(folder) as lock:
     ...     with FolderLock(folder):            # this process again: allowed
@@ -43,14 +43,8 @@ Example:
     True
     >>> os.path.exists(os.path.join(folder, ".kerastower.lock"))
     False
-    >>> with open(os.path.join(folder, ".kerastower.lock"), "w") as f:
-    ...     json.dump({"host": "node-7", "pid": 4242, "started": 0,
-    ...                "process_start": None, "token": "ab12"}, f)
-    >>> try:
-    ...     FolderLock(folder).acquire()
-    ... except FolderLockedError as error:
-    ...     print(error.holder["host"], error.holder["pid"])
-    node-7 4242
+
+    `FolderLockedError` shows a second run's refusal.
 """
 
 import datetime
