@@ -283,7 +283,7 @@ def _read(path):
         with open(path, "rb") as f:
             raw = f.read()
             age = time.time() - os.fstat(f.fileno()).st_mtime
-    except FileNotFoundError:
+    except (FileNotFoundError, NotADirectoryError):  # the folder went (or became a file)
         return None, None, 0.0
     try:
         record = json.loads(raw)

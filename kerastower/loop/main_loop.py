@@ -304,7 +304,11 @@ class MainLoop:
             self._after_train(epoch_logs)
         finally:
             for lock in locks:
-                lock.release()
+                try:
+                    lock.release()
+                except OSError as error:  # the training's own error is the one to report
+                    warnings.warn(f"kerastower: could not release the lock of {lock.folder!r} "
+                                  f"({type(error).__name__}: {error}).")
 
     def _lock_folders(self):
         """Takes, on the chief, the run's folders: its log folder and the
