@@ -1,0 +1,118 @@
+"""A checkpoint folder is data, never code: forged manifests and states are damaged checkpoints.
+
+Each forgery is re-signed (the manifest's own checksum and the files'
+digests made to match), as a hostile or buggy writer would, so that only the
+field checks can catch it; each is skipped, with its reason, for the older
+intact checkpoint.
+"""
+
+import json
+import os
+
+import keras
+import numpy as np
+import pytest
+
+import kerastower as kt
+from kerastower.checkpoint import files as checkpoint_files
+
+
+@pytest.fixture
+def two_checkpoints(tmp_path):
+    """A folder with the checkpoints of global steps 4 and 8."""
+    folder = str(tmp_path / "ckpt")
+    inputs = keras.Input((3,))
+    model = kt.TowerModel(inputs, keras.layers.Dense(1)(inputs))
+    model.compile(optimizer="adam", loss="mse")
+    model.fit(np.ones((16, 3)), np.ones((16, 1)), batch_size=4, epochs=2, verbose=0,
+              callbacks=[kt.callbacks.ModelSaver(folder)])
+    assert [s for s, _ in kt.checkpoint.list_checkpoints(folder)] == [4, 8]
+    return folder, model
+
+
+def _resign(path, change_manifest=None):
+    """Re-digests every file the manifest lists and re-signs the manifest."""
+    with open(os.path.join(path, "manifest.json")) as f:
+        manifest = json.load(f)
+    fields = {k: v for k, v in manifest.items() if k != "checksum"}
+    for name in list(fields["files"]):
+        file = os.path.join(path, name)
+        if os.path.isfile(file) and not os.path.islink(file):
+            fields["files"][name] = checkpoint_files._digest(file)
+    if change_manifest is not None:
+        change_manifest(fields)
+    with open(os.path.join(path, "manifest.json"), "w") as f:
+        json.dump(dict(fields, checksum=checkpoint_files._self_checksum(fields)), f)
+
+
+def _edit_state(path, **changes):
+    with open(os.path.join(path, "state.json")) as f:
+        state = json.load(f)
+    with open(os.path.join(path, "state.json"), "w") as f:
+        json.dump(dict(state, **changes), f)
+    _resign(path)
+
+
+def _path_traversal(path):
+    secret = os.path.join(os.path.dirname(os.path.dirname(path)), "secret.txt")
+    with open(secret, "w") as f:
+        f.write("not yours")
+    relative = os.path.relpath(secret, path)
+    _resign(path, lambda fields: fields["files"].update(
+        {relative: checkpoint_files._digest(secret)}))
+    return "leaves the checkpoint folder"
+
+
+def _files_as_a_list(path):
+    _resign(path, lambda fields: fields.update(files=sorted(fields["files"])))
+    return "files must map file names"
+
+
+def _string_step(path):
+    _edit_state(path, global_step="8")
+    return "global_step must be an integer >= 0, got '8'"
+
+
+def _negative_tower_batches(path):
+    _edit_state(path, tower_batches=[-3, 1])
+    return "tower_batches has a value of the wrong type or range"
+
+
+def _object_array(path):
+    with np.load(os.path.join(path, "variables.npz")) as stored:
+        values = {key: stored[key] for key in stored.files}
+    first = sorted(values)[0]
+    values[first] = np.array([{"pickled": "code"}], dtype=object)
+    with open(os.path.join(path, "variables.npz"), "wb") as f:
+        np.savez(f, **values)
+    _resign(path)
+    return "an array of Python objects"
+
+
+def _symlinked_file(path):
+    target = os.path.join(os.path.dirname(os.path.dirname(path)), "elsewhere.json")
+    os.replace(os.path.join(path, "state.json"), target)
+    os.symlink(target, os.path.join(path, "state.json"))
+    return "state.json is a symbolic link"
+
+
+def _variables_entry(path):
+    _resign(path, lambda fields: fields["variables"][0].update(shape="(3, 1)"))
+    return "each variables entry needs a key, a dtype, a shape of integers"
+
+
+@pytest.mark.parametrize("forge", [
+    _path_traversal, _files_as_a_list, _string_step, _negative_tower_batches, _object_array,
+    _symlinked_file, _variables_entry,
+], ids=lambda forge: forge.__name__.strip("_"))
+def test_a_forged_checkpoint_is_skipped_naming_the_field(two_checkpoints, forge):
+    folder, model = two_checkpoints
+    newest = kt.checkpoint.latest_checkpoint(folder)
+    reason = forge(newest)
+    with pytest.raises(kt.checkpoint.DamagedCheckpointError, match="cannot be used") as caught:
+        kt.checkpoint.verify_checkpoint(newest)
+    assert reason in caught.value.reason
+    with pytest.warns(UserWarning, match="skipping the checkpoint") as warned:
+        path, state = kt.checkpoint.restore_latest(folder, model)
+    assert path.endswith("ckpt-00000004") and state["global_step"] == 4
+    assert any(reason in str(w.message) for w in warned)
