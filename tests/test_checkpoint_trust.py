@@ -116,3 +116,32 @@ def test_a_forged_checkpoint_is_skipped_naming_the_field(two_checkpoints, forge)
         path, state = kt.checkpoint.restore_latest(folder, model)
     assert path.endswith("ckpt-00000004") and state["global_step"] == 4
     assert any(reason in str(w.message) for w in warned)
+
+
+def _fit_with(*callbacks):
+    inputs = keras.Input((3,))
+    model = kt.TowerModel(inputs, keras.layers.Dense(1)(inputs))
+    model.compile(optimizer="sgd", loss="mse")
+    model.fit(np.ones((8, 3)), np.ones((8, 1)), batch_size=4, verbose=0, callbacks=list(callbacks))
+
+
+def test_a_checkpoint_path_that_is_a_file_is_named_at_start(tmp_path):
+    path = tmp_path / "ckpt"
+    path.write_text("a file the user keeps")
+    with pytest.raises(kt.KerasTowerError, match=r"ModelSaver: the checkpoint folder .*ckpt' is a file"):
+        _fit_with(kt.callbacks.ModelSaver(str(path)))
+    with pytest.raises(kt.KerasTowerError, match=r"AutoResume: the checkpoint folder .*ckpt' is a file"):
+        _fit_with(kt.callbacks.AutoResume(str(path)))
+    assert path.read_text() == "a file the user keeps"
+
+
+@pytest.mark.skipif(os.geteuid() == 0, reason="root writes into any folder: no unwritable folder to make")
+def test_an_unwritable_checkpoint_folder_is_named_at_start(tmp_path):
+    folder = tmp_path / "ckpt"
+    folder.mkdir()
+    folder.chmod(0o500)
+    try:
+        with pytest.raises(kt.KerasTowerError, match="cannot write into its checkpoint folder"):
+            _fit_with(kt.callbacks.ModelSaver(str(folder)))
+    finally:
+        folder.chmod(0o700)

@@ -84,7 +84,7 @@ class ModelSaver(Callback):
         self._verified = {}  # path -> manifest checksum, of checkpoints found intact
 
     def _before_train(self):
-        os.makedirs(self.checkpoint_dir, exist_ok=True)
+        writable_folder(self.checkpoint_dir, "ModelSaver")
         checkpoint.clean_up(self.checkpoint_dir)
         self._started = self.clock()
 
@@ -157,6 +157,30 @@ class ModelSaver(Callback):
             if kept > self.max_to_keep and path != just_written and not for_good:
                 checkpoint_files.remove(path)
                 self._verified.pop(path, None)
+
+
+def writable_folder(folder, owner):
+    """Makes `folder` if needed; a KerasTowerError naming it and the cause,
+    at start, when it is a file or cannot be written."""
+    folder = os.fspath(folder)
+    if os.path.exists(folder) and not os.path.isdir(folder):
+        raise KerasTowerError(
+            f"{owner}: the checkpoint folder {folder!r} is a file, not a folder. Give "
+            "another path, or move the file away."
+        )
+    try:
+        os.makedirs(folder, exist_ok=True)
+    except OSError as error:
+        raise KerasTowerError(
+            f"{owner} cannot make its checkpoint folder {folder!r}: "
+            f"{type(error).__name__}: {error}. Give a folder this process can write."
+        ) from error
+    if not os.access(folder, os.W_OK | os.X_OK):
+        raise KerasTowerError(
+            f"{owner} cannot write into its checkpoint folder {folder!r} (no permission "
+            "for this user). Give a folder this process can write, or change its "
+            "permissions."
+        )
 
 
 class _BestSaver(Callback):
@@ -323,6 +347,11 @@ class AutoResume(Callback):
         `ResumeState`, or None without one. The training loop calls it on
         the chief before `on_train_begin`, then broadcasts the variables and
         the state to every other process."""
+        if os.path.exists(self.checkpoint_dir) and not os.path.isdir(self.checkpoint_dir):
+            raise KerasTowerError(
+                f"AutoResume: the checkpoint folder {os.fspath(self.checkpoint_dir)!r} is a "
+                "file, not a folder. Give the folder ModelSaver writes into."
+            )
         checkpoint.clean_up(self.checkpoint_dir)
         path, values = checkpoint.restore_latest(
             self.checkpoint_dir, self.model, allow_partial=self.allow_partial
