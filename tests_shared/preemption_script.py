@@ -8,7 +8,8 @@ on TensorFlow, forced host devices on JAX) on shuffled numpy arrays, each
 epoch one pass. --slow sleeps S seconds after every step and --marks writes
 a file `step-<global step>` there after every step, so that a test can
 signal the run mid-epoch; --signal-during-save makes the process send
-itself a second SIGTERM while its preemption checkpoint is being written.
+itself a second SIGTERM while its preemption checkpoint is being written;
+--backup adds Keras's BackupAndRestore (epoch-end backups) beside AutoResume.
 Without --dropout the model is deterministic across tower counts (Dense
 layers only), which the elastic-resume tests need.
 """
@@ -31,6 +32,7 @@ ARGS.add_argument("--signal-during-save", action="store_true")
 ARGS.add_argument("--dropout", action="store_true")
 ARGS.add_argument("--strict", action="store_true")
 ARGS.add_argument("--save-every", type=int, default=0)
+ARGS.add_argument("--backup", action="store_true", help="add keras.callbacks.BackupAndRestore")
 OPTIONS = ARGS.parse_args()
 
 if os.environ.get("KERAS_BACKEND") == "jax":
@@ -92,8 +94,9 @@ def main():
     saver = kt.callbacks.ModelSaver(OPTIONS.ckpt)
     if OPTIONS.save_every:
         saver = kt.callbacks.PeriodicTrigger(saver, every_k_steps=OPTIONS.save_every)
+    backup = [keras.callbacks.BackupAndRestore(OPTIONS.ckpt + "-backup")] if OPTIONS.backup else []
     model.fit(x, y, batch_size=OPTIONS.batch, epochs=OPTIONS.epochs, shuffle=True, verbose=2,
-              callbacks=[resume, saver, Marks()])
+              callbacks=[*backup, resume, saver, Marks()])
     print("resumed from", resume.restored_from, flush=True)
     np.savez(OPTIONS.out, *model.get_weights(), step=np.asarray(model.optimizer.iterations))
 

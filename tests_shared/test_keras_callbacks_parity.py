@@ -177,6 +177,35 @@ def test_backup_and_restore_at_epoch_end_resumes_to_the_uninterrupted_weights(to
     assert not os.path.exists(tmp_path / "backup")   # deleted once training completed
 
 
+@pytest.mark.parametrize("towers", [1, 2])
+def test_backup_and_restore_beside_auto_resume_lets_the_step_exact_restore_win(towers, tmp_path, capsys):
+    """Interrupted at epoch 2, batch 3 (global step 11): BackupAndRestore
+    holds epoch 1's end (step 8), AutoResume's ModelSaver step 10. The
+    resumed run goes on from step 10, BackupAndRestore loads nothing over
+    it, and the weights equal an uninterrupted run's with the same callbacks."""
+
+    def callbacks(folder):
+        return lambda model: [
+            keras.callbacks.BackupAndRestore(os.path.join(folder, "backup")),
+            kt.callbacks.AutoResume(os.path.join(folder, "ckpt")),
+            kt.callbacks.PeriodicTrigger(kt.callbacks.ModelSaver(os.path.join(folder, "ckpt")),
+                                         every_k_steps=2)]
+
+    straight, _ = _fit(towers, callbacks(str(tmp_path / "a")), epochs=4, optimizer=_adam)
+    folder = str(tmp_path / "b")
+    with pytest.raises(RuntimeError, match="interrupted"):
+        _fit(towers, lambda model: callbacks(folder)(model) + [_Interrupt(at_epoch=2, at_batch=2)],
+             epochs=4, optimizer=_adam)
+    capsys.readouterr()
+    resumed, _ = _fit(towers, callbacks(folder), epochs=4, optimizer=_adam)
+    said = capsys.readouterr().out
+    assert "ckpt-00000010 (global step 10), exact to the step; keras.callbacks.BackupAndRestore " \
+        "does not load its backup over it" in said, said
+    assert int(np.asarray(resumed.optimizer.iterations)) == 16
+    for a, b in zip(straight.get_weights(), resumed.get_weights()):
+        np.testing.assert_array_equal(a, b)
+
+
 @pytest.mark.parametrize("towers", [None, 1, 2], ids=["stock", "1tower", "2towers"])
 def test_backup_and_restore_every_3_steps_resumes_the_epoch_it_was_in(towers, tmp_path):
     # Keras 3 saves (epoch, batch) but restores the epoch only: the

@@ -261,3 +261,19 @@ def test_another_total_batch_resumes_saying_so_and_strict_refuses(elastic, tmp_p
                            "--strict", ok=False)
     assert "AutoResume(strict=True) refuses to resume" in refused.stderr
     assert "the total batch differs" in refused.stderr
+
+
+def test_backup_and_restore_beside_auto_resume_after_a_sigkill_is_bit_equal(tmp_path):
+    """Keras's BackupAndRestore would load its epoch-end backup over
+    AutoResume's step-exact checkpoint (the input going on at the step):
+    the step-exact restore wins, BackupAndRestore is told, and the run ends
+    bit-equal to an uninterrupted one with the same callbacks."""
+    run_script(tmp_path / "straight", tmp_path / "a.npz", "--dropout", "--backup")
+    ckpt = tmp_path / "ckpt"
+    killed, marks = _start_slow(tmp_path, ckpt, "killed", "--dropout", "--backup", "--save-every", "2")
+    _wait_for(killed, marks, 15)  # epoch 2, step 3: an epoch-end backup and ckpt-14 exist
+    killed.kill()
+    killed.communicate()
+    resumed = run_script(ckpt, tmp_path / "b.npz", "--dropout", "--backup")
+    assert "BackupAndRestore does not load its backup over it" in resumed.stdout, resumed.stdout[-3000:]
+    assert_bit_equal(tmp_path / "a.npz", tmp_path / "b.npz", 36)

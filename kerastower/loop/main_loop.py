@@ -278,7 +278,7 @@ class MainLoop:
         locks = self._lock_folders()
         try:
             state = self._restore()
-            callbacks.on_train_begin()
+            self._train_begin(state)
             epoch_num, first_step, skip = self._start_position(state, starting_epoch, steps_per_epoch)
             loop.starting_epoch = epoch_num
             iteration.start(skip, epoch_num)
@@ -360,6 +360,28 @@ class MainLoop:
         state = ResumeState.from_dict(state)
         self.loop.global_step = state.global_step
         return state
+
+    def _train_begin(self, state):
+        """The callbacks' on_train_begin. After AutoResume restored a
+        checkpoint, the step-exact restore wins: Keras's BackupAndRestore
+        (which would load its epoch-end backup over it there, while the
+        input goes on at the checkpoint's step) is told, and loads nothing."""
+        held = getattr(self.callbacks, "callbacks", None)
+        losers = [] if state is None or held is None else [
+            cb for cb in held if isinstance(cb, keras.callbacks.BackupAndRestore)]
+        if not losers:
+            self.callbacks.on_train_begin()
+            return
+        if self.strategy.is_chief:
+            _compat.print_msg(
+                f"{self.name}: AutoResume restored {self.training_run.restored_from} (global "
+                f"step {state.global_step}), exact to the step; keras.callbacks.BackupAndRestore "
+                "does not load its backup over it (it still backs up as it is set to).")
+        self.callbacks.callbacks = [cb for cb in held if cb not in losers]
+        try:
+            self.callbacks.on_train_begin()
+        finally:
+            self.callbacks.callbacks = held
 
     def _resumer(self):
         """The callback that restores and saves on preemption (AutoResume), or None."""
