@@ -2,7 +2,8 @@
 
 `main_loop.py` runs epochs as callback periods and schedules every callback
 (`MainLoop`, `LoopState`, `Iteration`); `fit_steps.py` is what one
-iteration of `fit` is.
+iteration of `fit` is; `resume.py` what makes a run survive (folder locks,
+the restore at start, the stop on a preemption signal, `preemption.py`).
 """
 
 from kerastower.loop.main_loop import Iteration

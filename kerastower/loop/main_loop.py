@@ -14,7 +14,6 @@ tensorpack; Keras callbacks get the 0-based `epoch_num - 1`.
 """
 
 import os
-import time
 import warnings
 
 import keras
@@ -23,13 +22,8 @@ from kerastower import _compat
 from kerastower.callbacks.defaults import TENSORBOARD_KINDS
 from kerastower.callbacks.defaults import with_default_monitors
 from kerastower.callbacks.base import Callback as KtCallback
-from kerastower.callbacks.base import unwrapped
-from kerastower.errors import KerasTowerError
 from kerastower.errors import StrategyError
-from kerastower.checkpoint.folder_lock import FolderLock
-from kerastower.checkpoint.folder_lock import FolderLockedError
-from kerastower.checkpoint.resume_state import ResumeState
-from kerastower.loop import preemption
+from kerastower.loop.resume import Resumption
 
 __all__ = ["LoopState", "MainLoop", "Iteration", "StopTraining", "training_callbacks"]
 
@@ -241,6 +235,8 @@ class MainLoop:
     StopTraining ends it. When training fails, the kt callbacks'
     after_train still runs (Keras callbacks' on_train_end does not: to
     Keras it means training completed), and the error is re-raised.
+    What makes a run survive (its folders locked, the restore at start, a
+    preemption stop after any step) is its `Resumption` (resume.py).
 
     Args:
         run: the `TrainingRun` (run.py): the model, the loop state the run
@@ -249,7 +245,7 @@ class MainLoop:
     """
 
     def __init__(self, run):
-        self._watch = preemption.SignalWatch([])
+        self.resume = Resumption(run)
         self.training_run = run
         self.model = run.model
         self.loop = run.state
@@ -275,18 +271,19 @@ class MainLoop:
         model.stop_training = False
         loop.training_failed = False
         epoch_logs = None
-        locks = self._lock_folders()
+        locks = self.resume.lock_folders()
         try:
-            state = self._restore()
-            self._train_begin(state)
-            epoch_num, first_step, skip = self._start_position(state, starting_epoch, steps_per_epoch)
+            state = self.resume.restore()
+            self.resume.train_begin(state)
+            epoch_num, first_step, skip = self.resume.start_position(
+                state, starting_epoch, steps_per_epoch)
             loop.starting_epoch = epoch_num
             iteration.start(skip, epoch_num)
-            with self._signal_watch():
+            with self.resume.signal_watch():
                 for epoch_num in range(epoch_num, max_epoch + 1):
                     epoch_logs = self._run_epoch(iteration, epoch_num, first_step, steps_per_epoch)
                     first_step = 0
-                    self._stop_if_preempted()
+                    self.resume.stop_if_preempted()
                     if model.stop_training:
                         break
             iteration.finish()
@@ -303,176 +300,7 @@ class MainLoop:
         else:
             self._after_train(epoch_logs)
         finally:
-            for lock in locks:
-                try:
-                    lock.release()
-                except OSError as error:  # the training's own error is the one to report
-                    warnings.warn(f"kerastower: could not release the lock of {lock.folder!r} "
-                                  f"({type(error).__name__}: {error}).")
-
-    def _lock_folders(self):
-        """Takes, on the chief, the run's folders: its log folder and the
-        checkpoint folders of its callbacks (AutoResume, ModelSaver,
-        MinSaver: their `checkpoint_dir`). A second run on one
-        of them refuses (`FolderLockedError`) before it reads or writes
-        anything; the other processes of this run share the chief's."""
-        if not self.strategy.is_chief:
-            return []
-        folders = [self.loop.logdir] + [
-            getattr(unwrapped(callback), "checkpoint_dir", None)
-            for callback in getattr(self.callbacks, "callbacks", self.callbacks) or []
-        ]
-        locks = []
-        try:
-            for folder in dict.fromkeys(os.path.realpath(f) for f in folders if f is not None):
-                lock = FolderLock(folder)
-                try:
-                    lock.acquire()
-                except FolderLockedError:
-                    raise
-                except OSError as error:
-                    # A folder that cannot be written: its own users say so.
-                    warnings.warn(f"kerastower: {self.name} could not lock {folder!r} "
-                                  f"against a second run ({type(error).__name__}: {error}).")
-                    continue
-                locks.append(lock)
-        except BaseException:
-            for lock in locks:
-                lock.release()
-            raise
-        return locks
-
-    def _restore(self):
-        """Restores the newest checkpoint (AutoResume's) on the chief, then
-        gives every process the chief's variables and resume state; returns
-        that state, or None."""
-        state = None
-        for callback in getattr(self.callbacks, "callbacks", self.callbacks):
-            restore = getattr(unwrapped(callback), "restore_training_state", None)
-            if restore is not None and self.strategy.is_chief:
-                state = restore() or state
-                self.training_run.restored_from = getattr(unwrapped(callback), "restored_from", None)
-        state = self.strategy.broadcast_object(None if state is None else state.to_dict())
-        self.strategy.sync_initial_state(self.model)
-        self.strategy.seed_towers_apart(self.model)
-        if state is None:
-            return None
-        state = ResumeState.from_dict(state)
-        self.loop.global_step = state.global_step
-        return state
-
-    def _train_begin(self, state):
-        """The callbacks' on_train_begin. After AutoResume restored a
-        checkpoint, the step-exact restore wins: Keras's BackupAndRestore
-        (which would load its epoch-end backup over it there, while the
-        input goes on at the checkpoint's step) is told, and loads nothing."""
-        held = getattr(self.callbacks, "callbacks", None)
-        losers = [] if state is None or held is None else [
-            cb for cb in held if isinstance(cb, keras.callbacks.BackupAndRestore)]
-        if not losers:
-            self.callbacks.on_train_begin()
-            return
-        if self.strategy.is_chief:
-            _compat.print_msg(
-                f"{self.name}: AutoResume restored {self.training_run.restored_from} (global "
-                f"step {state.global_step}), exact to the step; keras.callbacks.BackupAndRestore "
-                "does not load its backup over it (it still backs up as it is set to).")
-        self.callbacks.callbacks = [cb for cb in held if cb not in losers]
-        try:
-            self.callbacks.on_train_begin()
-        finally:
-            self.callbacks.callbacks = held
-
-    def _resumer(self):
-        """The callback that restores and saves on preemption (AutoResume), or None."""
-        for callback in getattr(self.callbacks, "callbacks", self.callbacks) or []:
-            if hasattr(unwrapped(callback), "save_on_preemption"):
-                return unwrapped(callback)
-        return None
-
-    def _signal_watch(self):
-        """Catches AutoResume's preemption signals while the steps run."""
-        resumer = self._resumer()
-        self._watch = preemption.SignalWatch(resumer.save_on_signals if resumer else [])
-        return self._watch
-
-    def _stop_if_preempted(self):
-        """After a step (or an epoch's end): when any process got a
-        preemption signal, every process stops here; the chief writes a
-        checkpoint of this step, every process waits for it, and
-        `Preempted` ends the run."""
-        watch = self._watch
-        if not watch.signals or not preemption.stop_agreed(watch, self.strategy):
-            return
-        watch.acted_on = True
-        resumer, loop = self._resumer(), self.loop
-        started = time.perf_counter()
-        # Every process: on JAX the towers' weights reach the variables by collectives.
-        self.training_run.engine.sync_state()
-        path = resumer.save_on_preemption() if self.strategy.is_chief else None
-        path = self.strategy.broadcast_object(path)
-        name = watch.received_name
-        if self.strategy.is_chief:
-            saved_in = time.perf_counter() - started
-            since = "" if watch.received_at is None else (
-                f", {time.perf_counter() - watch.received_at:.2f} s after the signal")
-            got = f"got {name}" if name else "another process got a preemption signal"
-            more = (f" ({watch.count - 1} more signal(s) during the save were ignored)"
-                    if watch.count > 1 else "")
-            _compat.print_msg(
-                f"{self.name}: {got}; stopped after global step {loop.global_step} "
-                f"(epoch {loop.epoch_num}, step {loop.local_step}) and saved {path} in "
-                f"{saved_in:.2f} s (verified{since}){more}. Exiting with status "
-                f"{resumer.exit_status}: run the same command again and AutoResume goes on "
-                f"from global step {loop.global_step}."
-            )
-        raise preemption.Preempted(resumer.exit_status, loop.global_step, path, name)
-
-    def _start_position(self, state, starting_epoch, steps_per_epoch):
-        """(first epoch_num, its first step, batches each tower skips)."""
-        loop = self.loop
-        keras_epoch = _compat.initial_epoch(self.model)  # Keras's BackupAndRestore
-        if state is None:
-            return (keras_epoch + 1 if keras_epoch else starting_epoch), 0, None
-        move = state.on_towers(self.model.num_towers, loop.batch_size)
-        self._check_elastic(move)
-        epoch_num, first_step, skip = move.state.start_position(steps_per_epoch)
-        if skip is not None:
-            loop.tower_batches = list(skip)
-        if self.strategy.is_chief and getattr(self.callbacks, "params", {}).get("verbose", 1):
-            _compat.print_msg(
-                f"{self.name}: resumed from {self.training_run.restored_from or 'a checkpoint'} "
-                f"(global step {state.global_step}): going on at epoch {epoch_num}, "
-                f"step {first_step}.{' ' + move.describe() if move.changed else ''}"
-            )
-        elif move.changed and not move.exact and self.strategy.is_chief:
-            warnings.warn(f"kerastower: {self.name} resumed on other towers. {move.describe()}")
-        if state.steps_per_epoch != loop.steps_per_epoch and steps_per_epoch:
-            _compat.print_msg(
-                f"{self.name}: the checkpoint was written with steps_per_epoch="
-                f"{state.steps_per_epoch}; with {steps_per_epoch} now, training goes on "
-                f"at epoch {epoch_num}, step 0."
-            )
-        return epoch_num, first_step, skip
-
-    def _check_elastic(self, move):
-        """Refuses a resume that cannot equal the uninterrupted run when
-        AutoResume asks for strict reproduction (`strict=True`)."""
-        resumer = self._resumer()
-        if not move.changed or move.exact or not getattr(resumer, "strict", False):
-            return
-        why = ("the source makes its own batches, so whether a step holds as many examples "
-               "as then cannot be known" if move.state.batch_size is None or
-               move.saved.batch_size is None else
-               "the total batch differs" if not move.same_total_batch else
-               "the saved position is not a whole number of this run's steps")
-        raise KerasTowerError(
-            f"AutoResume(strict=True) refuses to resume from "
-            f"{self.training_run.restored_from}: {move.describe()} Exactly the uninterrupted "
-            f"run cannot be reproduced: {why}. Resume with the same total batch "
-            "(towers x batch_size) on numpy arrays, or with the same number of towers, or "
-            "pass strict=False to go on anyway."
-        )
+            self.resume.release(locks)
 
     def _run_epoch(self, iteration, epoch_num, first_step, steps_per_epoch):
         loop, callbacks, model = self.loop, self.callbacks, self.model
@@ -495,7 +323,7 @@ class MainLoop:
                 loop.local_step = step
                 loop.global_step += ran
                 callbacks.on_train_batch_end(step - 1, logs)
-                self._stop_if_preempted()
+                self.resume.stop_if_preempted()
             if ran < want:
                 iteration.ended_early(loop, step)
                 break

@@ -1,0 +1,225 @@
+"""How a training run survives: its folders locked, its checkpoint restored, its preemption saved.
+
+`MainLoop` (main_loop.py) schedules the callbacks around the steps; the
+`Resumption` it holds does what makes a run survive its environment, at
+three moments of the loop:
+
+- before anything is read or written: lock the run's folders against a
+  second run (`lock_folders`, kerastower/checkpoint/folder_lock.py);
+- at the start: restore AutoResume's checkpoint on the chief, hand its
+  variables and position to every process (`restore`), let that step-exact
+  restore win over Keras's BackupAndRestore (`train_begin`), and say where
+  training goes on, on the same or another number of towers
+  (`start_position`, kerastower/checkpoint/resume_state.py);
+- after every step: stop where every process agrees when one got a
+  preemption signal, and save that step (`stop_if_preempted`,
+  kerastower/loop/preemption.py).
+
+docs/resuming.md tells the user's side of all of it.
+"""
+
+import os
+import time
+import warnings
+
+import keras
+
+from kerastower import _compat
+from kerastower.callbacks.base import unwrapped
+from kerastower.checkpoint.folder_lock import FolderLock
+from kerastower.checkpoint.folder_lock import FolderLockedError
+from kerastower.checkpoint.resume_state import ResumeState
+from kerastower.errors import KerasTowerError
+from kerastower.loop import preemption
+
+__all__ = ["Resumption"]
+
+
+class Resumption:
+    """The resume, lock and preemption side of one training run's loop.
+
+    Args:
+        run: the `TrainingRun` (run.py) the loop trains.
+    """
+
+    def __init__(self, run):
+        self.training_run = run
+        self.model = run.model
+        self.loop = run.state
+        self.callbacks = run.callbacks
+        self.name = run.name
+        self.strategy = run.strategy
+        self._watch = preemption.SignalWatch([])
+
+    def release(self, locks):
+        """Gives back the folders `lock_folders` took, however training ended."""
+        for lock in locks:
+            try:
+                lock.release()
+            except OSError as error:  # the training's own error is the one to report
+                warnings.warn(f"kerastower: could not release the lock of {lock.folder!r} "
+                              f"({type(error).__name__}: {error}).")
+
+    def lock_folders(self):
+        """Takes, on the chief, the run's folders: its log folder and the
+        checkpoint folders of its callbacks (AutoResume, ModelSaver,
+        MinSaver: their `checkpoint_dir`). A second run on one
+        of them refuses (`FolderLockedError`) before it reads or writes
+        anything; the other processes of this run share the chief's."""
+        if not self.strategy.is_chief:
+            return []
+        folders = [self.loop.logdir] + [
+            getattr(unwrapped(callback), "checkpoint_dir", None)
+            for callback in getattr(self.callbacks, "callbacks", self.callbacks) or []
+        ]
+        locks = []
+        try:
+            for folder in dict.fromkeys(os.path.realpath(f) for f in folders if f is not None):
+                lock = FolderLock(folder)
+                try:
+                    lock.acquire()
+                except FolderLockedError:
+                    raise
+                except OSError as error:
+                    # A folder that cannot be written: its own users say so.
+                    warnings.warn(f"kerastower: {self.name} could not lock {folder!r} "
+                                  f"against a second run ({type(error).__name__}: {error}).")
+                    continue
+                locks.append(lock)
+        except BaseException:
+            for lock in locks:
+                lock.release()
+            raise
+        return locks
+
+    def restore(self):
+        """Restores the newest checkpoint (AutoResume's) on the chief, then
+        gives every process the chief's variables and resume state; returns
+        that state, or None."""
+        state = None
+        for callback in getattr(self.callbacks, "callbacks", self.callbacks):
+            restore = getattr(unwrapped(callback), "restore_training_state", None)
+            if restore is not None and self.strategy.is_chief:
+                state = restore() or state
+                self.training_run.restored_from = getattr(unwrapped(callback), "restored_from", None)
+        state = self.strategy.broadcast_object(None if state is None else state.to_dict())
+        self.strategy.sync_initial_state(self.model)
+        self.strategy.seed_towers_apart(self.model)
+        if state is None:
+            return None
+        state = ResumeState.from_dict(state)
+        self.loop.global_step = state.global_step
+        return state
+
+    def train_begin(self, state):
+        """The callbacks' on_train_begin. After AutoResume restored a
+        checkpoint, the step-exact restore wins: Keras's BackupAndRestore
+        (which would load its epoch-end backup over it there, while the
+        input goes on at the checkpoint's step) is told, and loads nothing."""
+        held = getattr(self.callbacks, "callbacks", None)
+        losers = [] if state is None or held is None else [
+            cb for cb in held if isinstance(cb, keras.callbacks.BackupAndRestore)]
+        if not losers:
+            self.callbacks.on_train_begin()
+            return
+        if self.strategy.is_chief:
+            _compat.print_msg(
+                f"{self.name}: AutoResume restored {self.training_run.restored_from} (global "
+                f"step {state.global_step}), exact to the step; keras.callbacks.BackupAndRestore "
+                "does not load its backup over it (it still backs up as it is set to).")
+        self.callbacks.callbacks = [cb for cb in held if cb not in losers]
+        try:
+            self.callbacks.on_train_begin()
+        finally:
+            self.callbacks.callbacks = held
+
+    def resumer(self):
+        """The callback that restores and saves on preemption (AutoResume), or None."""
+        for callback in getattr(self.callbacks, "callbacks", self.callbacks) or []:
+            if hasattr(unwrapped(callback), "save_on_preemption"):
+                return unwrapped(callback)
+        return None
+
+    def signal_watch(self):
+        """Catches AutoResume's preemption signals while the steps run."""
+        resumer = self.resumer()
+        self._watch = preemption.SignalWatch(resumer.save_on_signals if resumer else [])
+        return self._watch
+
+    def stop_if_preempted(self):
+        """After a step (or an epoch's end): when any process got a
+        preemption signal, every process stops here; the chief writes a
+        checkpoint of this step, every process waits for it, and
+        `Preempted` ends the run."""
+        watch = self._watch
+        if not watch.signals or not preemption.stop_agreed(watch, self.strategy):
+            return
+        watch.acted_on = True
+        resumer, loop = self.resumer(), self.loop
+        started = time.perf_counter()
+        # Every process: on JAX the towers' weights reach the variables by collectives.
+        self.training_run.engine.sync_state()
+        path = resumer.save_on_preemption() if self.strategy.is_chief else None
+        path = self.strategy.broadcast_object(path)
+        name = watch.received_name
+        if self.strategy.is_chief:
+            saved_in = time.perf_counter() - started
+            since = "" if watch.received_at is None else (
+                f", {time.perf_counter() - watch.received_at:.2f} s after the signal")
+            got = f"got {name}" if name else "another process got a preemption signal"
+            more = (f" ({watch.count - 1} more signal(s) during the save were ignored)"
+                    if watch.count > 1 else "")
+            _compat.print_msg(
+                f"{self.name}: {got}; stopped after global step {loop.global_step} "
+                f"(epoch {loop.epoch_num}, step {loop.local_step}) and saved {path} in "
+                f"{saved_in:.2f} s (verified{since}){more}. Exiting with status "
+                f"{resumer.exit_status}: run the same command again and AutoResume goes on "
+                f"from global step {loop.global_step}."
+            )
+        raise preemption.Preempted(resumer.exit_status, loop.global_step, path, name)
+
+    def start_position(self, state, starting_epoch, steps_per_epoch):
+        """(first epoch_num, its first step, batches each tower skips)."""
+        loop = self.loop
+        keras_epoch = _compat.initial_epoch(self.model)  # Keras's BackupAndRestore
+        if state is None:
+            return (keras_epoch + 1 if keras_epoch else starting_epoch), 0, None
+        move = state.on_towers(self.model.num_towers, loop.batch_size)
+        self._check_elastic(move)
+        epoch_num, first_step, skip = move.state.start_position(steps_per_epoch)
+        if skip is not None:
+            loop.tower_batches = list(skip)
+        if self.strategy.is_chief and getattr(self.callbacks, "params", {}).get("verbose", 1):
+            _compat.print_msg(
+                f"{self.name}: resumed from {self.training_run.restored_from or 'a checkpoint'} "
+                f"(global step {state.global_step}): going on at epoch {epoch_num}, "
+                f"step {first_step}.{' ' + move.describe() if move.changed else ''}"
+            )
+        elif move.changed and not move.exact and self.strategy.is_chief:
+            warnings.warn(f"kerastower: {self.name} resumed on other towers. {move.describe()}")
+        if state.steps_per_epoch != loop.steps_per_epoch and steps_per_epoch:
+            _compat.print_msg(
+                f"{self.name}: the checkpoint was written with steps_per_epoch="
+                f"{state.steps_per_epoch}; with {steps_per_epoch} now, training goes on "
+                f"at epoch {epoch_num}, step 0."
+            )
+        return epoch_num, first_step, skip
+
+    def _check_elastic(self, move):
+        """Refuses a resume that cannot equal the uninterrupted run when
+        AutoResume asks for strict reproduction (`strict=True`)."""
+        resumer = self.resumer()
+        if not move.changed or move.exact or not getattr(resumer, "strict", False):
+            return
+        why = ("the source makes its own batches, so whether a step holds as many examples "
+               "as then cannot be known" if move.state.batch_size is None or
+               move.saved.batch_size is None else
+               "the total batch differs" if not move.same_total_batch else
+               "the saved position is not a whole number of this run's steps")
+        raise KerasTowerError(
+            f"AutoResume(strict=True) refuses to resume from "
+            f"{self.training_run.restored_from}: {move.describe()} Exactly the uninterrupted "
+            f"run cannot be reproduced: {why}. Resume with the same total batch "
+            "(towers x batch_size) on numpy arrays, or with the same number of towers, or "
+            "pass strict=False to go on anyway."
+        )
