@@ -145,3 +145,38 @@ def test_an_unwritable_checkpoint_folder_is_named_at_start(tmp_path):
             _fit_with(kt.callbacks.ModelSaver(str(folder)))
     finally:
         folder.chmod(0o700)
+
+
+def _auto_named_pair(applied_first):
+    """Two Dense layers of one shape, named by Keras in creation order;
+    `applied_first` says which of the two the input goes through first."""
+    keras.utils.set_random_seed(3)
+    layers = [keras.layers.Dense(3), keras.layers.Dense(3)]
+    inputs = keras.Input((3,))
+    first, second = layers[applied_first], layers[1 - applied_first]
+    model = kt.TowerModel(inputs, second(keras.layers.Dropout(0.0)(first(inputs))))
+    model.compile(optimizer="adam", loss="mse")
+    model.fit(np.ones((8, 3)), np.ones((8, 3)), batch_size=4, verbose=0)
+    return model
+
+
+def test_auto_named_layers_created_in_another_order_are_refused_naming_them(tmp_path):
+    saved = _auto_named_pair(applied_first=0)
+    path = kt.checkpoint.write_checkpoint(str(tmp_path), saved, STATE)
+    swapped = _auto_named_pair(applied_first=1)   # the same graph; the names traded
+    before = [w.copy() for w in swapped.get_weights()]
+    with pytest.raises(kt.checkpoint.CheckpointMismatchError, match="trade their automatic names") as caught:
+        kt.checkpoint.read_checkpoint(path, swapped)
+    assert "was saved from the layer at Dense#0, here it is the layer at Dense#1" in str(caught.value)
+    assert "name='encoder'" in str(caught.value)
+    assert {key.split("/")[1] for key, _, _ in caught.value.moved} == {"dense", "dense_1"}
+    for a, b in zip(before, swapped.get_weights()):
+        np.testing.assert_array_equal(a, b)   # nothing was swapped
+    # The same structure built again restores as before.
+    same = _auto_named_pair(applied_first=0)
+    kt.checkpoint.read_checkpoint(path, same)
+    for a, b in zip(saved.get_weights(), same.get_weights()):
+        np.testing.assert_array_equal(a, b)
+
+
+STATE = {"epoch_num": 1, "local_step": 2, "global_step": 2}

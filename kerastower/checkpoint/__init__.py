@@ -2,8 +2,9 @@
 
 The modules: `store.py` writes, reads, lists and verifies checkpoint
 folders (`kt.checkpoint.*`); `files.py` the atomic, checksummed files and
-manifest; `keys.py` each variable's key; `variables.py` the variables'
-file, the same on every backend; `resume_state.py` the loop position a
+manifest; `keys.py` each variable's key; `places.py` where each
+automatically named layer sits; `variables.py` the variables' file, the
+same on every backend; `folder_lock.py` one run per folder; `resume_state.py` the loop position a
 resume goes on from; `training_state.py` which variables a run carries.
 
 A checkpoint is a folder `ckpt-<global_step>` inside the checkpoint directory:
@@ -16,8 +17,9 @@ A checkpoint is a folder `ckpt-<global_step>` inside the checkpoint directory:
                         optimizer's (slots, step counters)
         state.json      loop state and input position (kerastower/checkpoint/resume_state.py)
         manifest.json   size and sha256 of every file above; per variable its
-                        key, Keras path, shape, dtype and whether all its
-                        values were finite; retention data (ModelSaver); and
+                        key, Keras path, shape, dtype, whether all its
+                        values were finite and, for a layer Keras named,
+                        its place in the model; retention data (ModelSaver); and
                         a sha256 of the manifest itself
 
 It is written under a temporary name, fsynced, and renamed into place
@@ -27,7 +29,10 @@ every variable was finite. A checkpoint whose variables hold NaN or Inf is
 never written.
 
 Restoring matches variables by key, so reordering layers in the code loads
-each weight where it belongs. Variables the model has and the checkpoint
+each weight where it belongs. Where a key names a layer Keras named itself
+(`dense_1`) and that name now belongs to a layer at another place (created
+in another order), the restore refuses rather than swap their weights
+(kerastower/checkpoint/places.py). Variables the model has and the checkpoint
 lacks, the other way round, or of another shape or dtype raise
 `CheckpointMismatchError` listing them, unless `allow_partial=True`, which
 restores the rest and warns about them.

@@ -294,7 +294,8 @@ def _manifest_problem(manifest):
                 and isinstance(entry.get("dtype"), str)
                 and isinstance(entry.get("shape"), list)
                 and all(_is_count(d) for d in entry["shape"])
-                and isinstance(entry.get("finite", True), bool)):
+                and isinstance(entry.get("finite", True), bool)
+                and isinstance(entry.get("place", ""), str)):
             return (f"each variables entry needs a key, a dtype, a shape of integers >= 0 "
                     f"and a finite flag; got {entry!r}")
     if not isinstance(manifest.get("retention", {}), dict):

@@ -14,6 +14,7 @@ from kerastower.checkpoint import files as checkpoint_files
 from kerastower.checkpoint import variables as checkpoint_variables
 from kerastower.checkpoint.files import DamagedCheckpointError
 from kerastower.checkpoint.keys import keyed_variables
+from kerastower.checkpoint.places import variable_places
 from kerastower.errors import KerasTowerError
 
 __all__ = [
@@ -81,11 +82,11 @@ class CheckpointMismatchError(KerasTowerError):
         [('model/dense/kernel', '(3, 1) float32', '(4, 1) float32')]
     """
 
-    def __init__(self, path, missing, unexpected, reshaped, out_of_range=()):
-        out_of_range = list(out_of_range)
+    def __init__(self, path, missing, unexpected, reshaped, out_of_range=(), moved=()):
+        out_of_range, moved = list(out_of_range), list(moved)
         super().__init__(
             f"The checkpoint {path} does not fit this model:"
-            f"{_describe(missing, unexpected, reshaped, out_of_range)}\n"
+            f"{_describe(missing, unexpected, reshaped, out_of_range, moved)}\n"
             "Build the same model (layer names decide where weights go), point the "
             "checkpoint directory elsewhere, or pass allow_partial=True to restore the "
             "variables that fit and keep the others as they are."
@@ -94,9 +95,10 @@ class CheckpointMismatchError(KerasTowerError):
         self.unexpected = unexpected
         self.reshaped = reshaped
         self.out_of_range = out_of_range
+        self.moved = moved
 
 
-def _describe(missing, unexpected, reshaped, out_of_range=()):
+def _describe(missing, unexpected, reshaped, out_of_range=(), moved=()):
     lines = []
     if missing:
         lines.append("\n  missing from the checkpoint (the model has them): "
@@ -112,6 +114,15 @@ def _describe(missing, unexpected, reshaped, out_of_range=()):
             f"{key} saved {saved} holds {value}, model {now} holds "
             f"{np.iinfo(now).min} to {np.iinfo(now).max}"
             for key, saved, now, value in out_of_range))
+    if moved:
+        lines.append(
+            "\n  a name Keras gave now names a layer elsewhere in the model (layers created "
+            "in another order trade their automatic names; restoring would swap their "
+            "weights): " + ", ".join(
+                f"{key} was saved from the layer at {saved}, here it is the layer at {now}"
+                for key, saved, now in moved)
+            + ". Name these layers (e.g. keras.layers.Dense(64, name='encoder')) so that "
+            "a name says which layer it is, then write a checkpoint with the names")
     return "".join(lines)
 
 
@@ -252,11 +263,13 @@ def write_checkpoint(directory, model, state, retention=None):
         with open(os.path.join(folder, checkpoint_files.STATE), "w") as f:
             f.write(state_text)
 
+    places = variable_places(model)
     fields = {
         "variables": [
             {"key": key, "path": path, "shape": list(value.shape),
-             "dtype": checkpoint_variables.dtype_name(value.dtype), "finite": ok}
-            for (key, path, _), value, ok in zip(keyed, values, finite)
+             "dtype": checkpoint_variables.dtype_name(value.dtype), "finite": ok,
+             **({"place": places[id(variable)]} if id(variable) in places else {})}
+            for (key, path, variable), value, ok in zip(keyed, values, finite)
         ],
         "retention": retention or {},
     }
@@ -286,6 +299,20 @@ def _match(manifest, keyed):
         (v["key"], tuple(v["shape"])) for v in manifest["variables"] if v["key"] not in known
     ]
     return restorable, missing, unexpected, reshaped
+
+
+def _moved(manifest, restorable, places):
+    """[(key, saved place, place now)] of the variables whose key now names
+    an automatically named layer at another place (kerastower/checkpoint/places.py).
+    Checkpoints without places (older ones) and layers the user named are
+    matched by key alone."""
+    saved = {v["key"]: v.get("place") for v in manifest["variables"]}
+    moved = []
+    for key, variable, _ in restorable:
+        then, now = saved.get(key), places.get(id(variable))
+        if then is not None and now is not None and then != now:
+            moved.append((key, then, now))
+    return moved
 
 
 def _beyond(value, dtype):
@@ -332,8 +359,11 @@ def read_checkpoint(path, model, allow_partial=False):
     with open(os.path.join(path, checkpoint_files.STATE)) as f:
         state = json.load(f)
     restorable, missing, unexpected, reshaped = _match(manifest, keyed_variables(model))
-    if (missing or unexpected or reshaped) and not allow_partial:
-        raise CheckpointMismatchError(path, missing, unexpected, reshaped)
+    moved = _moved(manifest, restorable, variable_places(model))
+    if moved:
+        restorable = [r for r in restorable if r[0] not in {key for key, _, _ in moved}]
+    if (missing or unexpected or reshaped or moved) and not allow_partial:
+        raise CheckpointMismatchError(path, missing, unexpected, reshaped, moved=moved)
     saved_dtypes = {v["key"]: v["dtype"] for v in manifest["variables"]}
     keys = [key for key, _, _ in restorable]
     try:
@@ -356,10 +386,10 @@ def read_checkpoint(path, model, allow_partial=False):
         values.append((variable, value))
     if out_of_range and not allow_partial:
         raise CheckpointMismatchError(path, [], [], [], out_of_range)
-    if missing or unexpected or reshaped or out_of_range:
+    if missing or unexpected or reshaped or out_of_range or moved:
         warnings.warn(
             f"kerastower: partial restore from {path} (allow_partial=True); not restored:"
-            f"{_describe(missing, unexpected, reshaped, out_of_range)}",
+            f"{_describe(missing, unexpected, reshaped, out_of_range, moved)}",
             stacklevel=2,
         )
     _sync(model)  # else the towers' held weights would overwrite the restored ones
