@@ -175,6 +175,11 @@ REVIEWED_MODULE_STATE = {
     ("kerastower.functional", "_FUNCTIONAL_TWINS"),
     # A cache keyed weakly by the traced function: dropped with it.
     ("kerastower.backend.tensorflow.step", "_bound_calls"),
+    # The folders this process holds locked (a count per folder), which
+    # is the process's, not a run's: two runs in one process share a lock
+    # (a log folder that is also the checkpoint folder); emptied as they
+    # release it, and in a forked child.
+    ("kerastower.checkpoint.folder_lock", "_held"),
 }
 _MUTABLE_CALLS = {"list", "dict", "set", "defaultdict", "OrderedDict", "deque", "Counter",
                   "WeakKeyDictionary", "WeakValueDictionary", "WeakSet", "local"}
