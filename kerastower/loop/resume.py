@@ -75,6 +75,8 @@ class Resumption:
         locks = []
         try:
             for folder in dict.fromkeys(os.path.realpath(f) for f in folders if f is not None):
+                if os.path.exists(folder) and not os.path.isdir(folder):
+                    continue  # not a folder: the callback that uses it says so
                 lock = FolderLock(folder)
                 try:
                     lock.acquire()
