@@ -2,10 +2,12 @@
 
 The modules: `store.py` writes, reads, lists and verifies checkpoint
 folders (`kt.checkpoint.*`); `files.py` the atomic, checksummed files and
-manifest; `keys.py` each variable's key; `places.py` where each
-automatically named layer sits; `variables.py` the variables' file, the
-same on every backend; `folder_lock.py` one run per folder; `resume_state.py` the loop position a
-resume goes on from; `training_state.py` which variables a run carries.
+manifest; `trust.py` the checks of every field a reader uses; `keys.py`
+each variable's key; `places.py` where each automatically named layer
+sits; `variables.py` the variables' file, the same on every backend;
+`resume_state.py` the loop position a resume goes on from;
+`training_state.py` which variables a run carries; `folder_lock.py` one
+run per folder.
 
 A checkpoint is a folder `ckpt-<global_step>` inside the checkpoint directory:
 

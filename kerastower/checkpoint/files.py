@@ -31,6 +31,9 @@ import re
 import shutil
 import tempfile
 
+from kerastower.checkpoint.trust import manifest_problem
+from kerastower.checkpoint.trust import npz_problem
+from kerastower.checkpoint.trust import state_problem
 from kerastower.errors import KerasTowerError
 
 __all__ = [
@@ -249,107 +252,10 @@ def read_manifest(path):
         raise DamagedCheckpointError(
             path, f"{MANIFEST} has format {manifest.get('format')!r}, not {FORMAT!r}"
         )
-    problem = _manifest_problem(manifest)
+    problem = manifest_problem(manifest)
     if problem:
         raise DamagedCheckpointError(path, f"{MANIFEST}: {problem}")
     return manifest
-
-
-# A checkpoint folder is data, never code: every field a reader uses is
-# checked for type and range before it is used, and a file name must name
-# a plain file inside the folder.
-
-def _is_count(value, minimum=0):
-    return isinstance(value, int) and not isinstance(value, bool) and value >= minimum
-
-
-def _file_name_problem(name):
-    if not isinstance(name, str) or not name:
-        return f"a file name must be a string, got {name!r}"
-    if name in (".", "..") or "/" in name or "\\" in name or os.path.isabs(name) or "\0" in name:
-        return f"the file name {name!r} leaves the checkpoint folder (a plain name is allowed)"
-    return None
-
-
-def _manifest_problem(manifest):
-    """What is wrong with a manifest's fields, in words, or None."""
-    if not _is_count(manifest.get("global_step")):
-        return f"global_step must be an integer >= 0, got {manifest.get('global_step')!r}"
-    files = manifest.get("files")
-    if not isinstance(files, dict) or not files:
-        return f"files must map file names to their size and sha256, got {type(files).__name__}"
-    for name, expected in files.items():
-        problem = _file_name_problem(name)
-        if problem:
-            return problem
-        if not (isinstance(expected, dict) and _is_count(expected.get("bytes"))
-                and isinstance(expected.get("sha256"), str)
-                and re.fullmatch(r"[0-9a-f]{64}", expected["sha256"])):
-            return f"files[{name!r}] must hold bytes (an integer >= 0) and a sha256, got {expected!r}"
-    variables = manifest.get("variables", [])
-    if not isinstance(variables, list):
-        return f"variables must be a list, got {type(variables).__name__}"
-    for entry in variables:
-        if not (isinstance(entry, dict) and isinstance(entry.get("key"), str)
-                and isinstance(entry.get("dtype"), str)
-                and isinstance(entry.get("shape"), list)
-                and all(_is_count(d) for d in entry["shape"])
-                and isinstance(entry.get("finite", True), bool)
-                and isinstance(entry.get("place", ""), str)):
-            return (f"each variables entry needs a key, a dtype, a shape of integers >= 0 "
-                    f"and a finite flag; got {entry!r}")
-    if not isinstance(manifest.get("retention", {}), dict):
-        return f"retention must be a dict, got {manifest.get('retention')!r}"
-    return None
-
-
-def _state_problem(state):
-    """What is wrong with the loop position in state.json, in words, or None."""
-    if not isinstance(state, dict):
-        return f"it must hold a JSON object, got {type(state).__name__}"
-    missing = [key for key in REQUIRED_STATE if key not in state]
-    if missing:
-        return f"it lacks {missing}"
-    for key in REQUIRED_STATE:
-        if not _is_count(state[key]):
-            return f"{key} must be an integer >= 0, got {state[key]!r}"
-    checks = {
-        "steps_per_epoch": lambda v: v is None or _is_count(v, 1),
-        "num_towers": lambda v: _is_count(v, 1),
-        "batch_size": lambda v: v is None or _is_count(v, 1),
-        "tower_batches": lambda v: isinstance(v, list) and all(_is_count(b) for b in v),
-        "epoch_ended": lambda v: isinstance(v, bool),
-        "one_pass": lambda v: isinstance(v, bool),
-    }
-    for key, ok in checks.items():
-        if key in state and not ok(state[key]):
-            return f"{key} has a value of the wrong type or range: {state[key]!r}"
-    return None
-
-
-def _npz_problem(file):
-    """Why the .npz archive at `file` could not be variables, or None: each
-    member must be a .npy array of numbers (no object arrays, which numpy
-    would unpickle)."""
-    import zipfile
-
-    import numpy as np
-
-    try:
-        with zipfile.ZipFile(file) as archive:
-            for member in archive.namelist():
-                if not member.endswith(".npy"):
-                    return f"it holds {member!r}, which is not a .npy array"
-                with archive.open(member) as f:
-                    version = np.lib.format.read_magic(f)
-                    header = (np.lib.format.read_array_header_1_0 if version == (1, 0)
-                              else np.lib.format.read_array_header_2_0)
-                    _, _, dtype = header(f)
-                if dtype.hasobject:
-                    return f"{member!r} is an array of Python objects"
-    except (OSError, ValueError, zipfile.BadZipFile) as error:
-        return f"it cannot be read ({type(error).__name__}: {error})"
-    return None
 
 
 def _check_file(path, name, expected):
@@ -385,7 +291,7 @@ def verify(path):
     for name, expected in sorted(manifest["files"].items()):
         _check_file(path, name, expected)
         if name.endswith(".npz"):
-            problem = _npz_problem(os.path.join(path, name))
+            problem = npz_problem(os.path.join(path, name))
             if problem:
                 raise DamagedCheckpointError(path, f"{name}: {problem}")
     try:
@@ -395,7 +301,7 @@ def verify(path):
         raise DamagedCheckpointError(
             path, f"unreadable {STATE} ({type(error).__name__}: {error})"
         ) from None
-    problem = _state_problem(state)
+    problem = state_problem(state, REQUIRED_STATE)
     if problem:
         raise DamagedCheckpointError(path, f"unreadable {STATE}: {problem}")
     bad = [v for v in manifest.get("variables", []) if not v.get("finite", True)]
