@@ -160,20 +160,57 @@ def _auto_named_pair(applied_first):
     return model
 
 
-def test_auto_named_layers_created_in_another_order_are_refused_naming_them(tmp_path):
+def test_auto_named_layers_created_in_another_order_restore_by_place_and_say_so(tmp_path):
     saved = _auto_named_pair(applied_first=0)
     path = kt.checkpoint.write_checkpoint(str(tmp_path), saved, STATE)
     swapped = _auto_named_pair(applied_first=1)   # the same graph; the names traded
-    before = [w.copy() for w in swapped.get_weights()]
-    with pytest.raises(kt.checkpoint.CheckpointMismatchError, match="trade their automatic names") as caught:
+    # By key alone (dense, dense_1), each layer would take the other's weights.
+    with pytest.warns(UserWarning, match=r"by place: layers Keras named .*\(dense is now "
+                                         r"dense_1, dense_1 is now dense\)"):
         kt.checkpoint.read_checkpoint(path, swapped)
-    assert "was saved from the layer at Dense#0, here it is the layer at Dense#1" in str(caught.value)
+    for a, b in zip(saved.get_weights(), swapped.get_weights()):   # graph order: by place
+        np.testing.assert_array_equal(a, b)
+    # The optimizer's slots, built in the graph's order on both, follow their layers.
+    for a, b in zip(saved.optimizer.variables, swapped.optimizer.variables):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b), err_msg=b.path)
+
+
+class TwoDense(kt.TowerModel):
+    """Two auto-named Dense layers held as `names` (created in that order),
+    the input going through `names[order[0]]` first."""
+
+    def __init__(self, names, order):
+        super().__init__()
+        for name in names:
+            setattr(self, name, keras.layers.Dense(3))
+        self.order = [names[i] for i in order]
+
+    def call(self, x):
+        return getattr(self, self.order[1])(getattr(self, self.order[0])(x))
+
+
+def _pair(names, order):
+    keras.utils.set_random_seed(3)
+    model = TwoDense(names, order)
+    model.compile(optimizer="adam", loss="mse")
+    model.fit(np.ones((8, 3)), np.ones((8, 3)), batch_size=4, verbose=0)
+    return model
+
+
+def test_auto_named_layers_whose_places_cannot_be_matched_are_refused_naming_them(tmp_path):
+    saved = _pair(["encoder", "decoder"], [0, 1])
+    path = kt.checkpoint.write_checkpoint(str(tmp_path), saved, STATE)
+    # Renamed attributes, created in the other order: the names traded, and
+    # no place of the checkpoint is found here to say which layer is which.
+    changed = _pair(["dec", "enc"], [1, 0])
+    before = [w.copy() for w in changed.get_weights()]
+    with pytest.raises(kt.checkpoint.CheckpointMismatchError, match="trade their automatic names") as caught:
+        kt.checkpoint.read_checkpoint(path, changed)
+    assert "was saved from the layer at encoder, here it is the layer at dec" in str(caught.value)
     assert "name='encoder'" in str(caught.value)
-    assert {key.split("/")[1] for key, _, _ in caught.value.moved} == {"dense", "dense_1"}
-    for a, b in zip(before, swapped.get_weights()):
+    for a, b in zip(before, changed.get_weights()):
         np.testing.assert_array_equal(a, b)   # nothing was swapped
-    # The same structure built again restores as before.
-    same = _auto_named_pair(applied_first=0)
+    same = _pair(["encoder", "decoder"], [0, 1])   # the same code restores as before
     kt.checkpoint.read_checkpoint(path, same)
     for a, b in zip(saved.get_weights(), same.get_weights()):
         np.testing.assert_array_equal(a, b)

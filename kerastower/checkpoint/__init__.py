@@ -33,7 +33,8 @@ never written.
 Restoring matches variables by key, so reordering layers in the code loads
 each weight where it belongs. Where a key names a layer Keras named itself
 (`dense_1`) and that name now belongs to a layer at another place (created
-in another order), the restore refuses rather than swap their weights
+in another order), the restore goes by place, with a warning, where the
+places match one for one, and refuses otherwise: it never swaps weights
 (kerastower/checkpoint/places.py). Variables the model has and the checkpoint
 lacks, the other way round, or of another shape or dtype raise
 `CheckpointMismatchError` listing them, unless `allow_partial=True`, which

@@ -12,8 +12,10 @@ layer's place in the model:
     else its rank among the        "Dense#0": the first Dense in the model's
     layers of its class            graph order (Functional, Sequential)
 
-and a restore whose key now lands in a layer at another place refuses,
-naming both (kerastower/checkpoint/store.py). Layers the user named are
+and a restore whose key now lands in a layer at another place goes by
+place instead, with a warning, when every saved place has one counterpart
+here (the names traded one for one), and otherwise refuses, naming both
+places (kerastower/checkpoint/store.py). Layers the user named are
 trusted by name. A place is stable under changes that keep the structure:
 adding a layer without weights (Dropout) moves no Dense's rank.
 

@@ -315,6 +315,45 @@ def _moved(manifest, restorable, places):
     return moved
 
 
+def _renames_by_place(manifest, keyed, places):
+    """{name in the checkpoint: name here} for the layers Keras named whose
+    names traded, when every saved variable with a place has exactly one
+    counterpart here (the same place, variable name and shape) and the
+    names map one to one; else None (the restore then refuses)."""
+    here = {}
+    for key, _, variable in keyed:
+        if id(variable) in places:
+            found = (places[id(variable)], key.rsplit("/", 1)[-1], tuple(variable.shape))
+            here.setdefault(found, []).append(key)
+    renames = {}
+    for entry in manifest["variables"]:
+        if entry.get("place") is None:
+            continue
+        found = here.get((entry["place"], entry["key"].rsplit("/", 1)[-1], tuple(entry["shape"])))
+        if not found or len(found) != 1:
+            return None
+        then, now = entry["key"].split("/"), found[0].split("/")
+        if len(then) != len(now):
+            return None
+        for a, b in zip(then, now):
+            if a != b and renames.setdefault(a, b) != b:
+                return None
+    if len(set(renames.values())) != len(renames):
+        return None
+    return renames or None
+
+
+def _renamed(manifest, renames):
+    """The manifest with `renames` applied to every key (the optimizer's
+    slots follow their layers), and {new key: key in the checkpoint}."""
+    def rename(key):
+        return "/".join(renames.get(part, part) for part in key.split("/"))
+
+    variables = [dict(entry, key=rename(entry["key"])) for entry in manifest["variables"]]
+    return dict(manifest, variables=variables), {
+        rename(entry["key"]): entry["key"] for entry in manifest["variables"]}
+
+
 def _beyond(value, dtype):
     """A value in the integer array `value` that the integer dtype `dtype`
     cannot hold (as a Python int), or None when every one fits."""
@@ -358,8 +397,23 @@ def read_checkpoint(path, model, allow_partial=False):
     manifest = checkpoint_files.verify(path)
     with open(os.path.join(path, checkpoint_files.STATE)) as f:
         state = json.load(f)
-    restorable, missing, unexpected, reshaped = _match(manifest, keyed_variables(model))
-    moved = _moved(manifest, restorable, variable_places(model))
+    keyed, places = keyed_variables(model), variable_places(model)
+    restorable, missing, unexpected, reshaped = _match(manifest, keyed)
+    moved = _moved(manifest, restorable, places)
+    in_file = {}  # key here -> key in the checkpoint, where Keras's names were traded
+    renames = _renames_by_place(manifest, keyed, places) if moved else None
+    if renames:
+        manifest, in_file = _renamed(manifest, renames)
+        restorable, missing, unexpected, reshaped = _match(manifest, keyed)
+        moved = _moved(manifest, restorable, places)
+        warnings.warn(
+            f"kerastower: restored {path} by place: layers Keras named were created in "
+            "another order, and their names traded ("
+            + ", ".join(f"{then} is now {now}" for then, now in sorted(renames.items()))
+            + "); each weight went to the layer at the place it was saved from. Name "
+            "these layers so that a name says which layer it is.",
+            stacklevel=2,
+        )
     if moved:
         restorable = [r for r in restorable if r[0] not in {key for key, _, _ in moved}]
     if (missing or unexpected or reshaped or moved) and not allow_partial:
@@ -367,7 +421,8 @@ def read_checkpoint(path, model, allow_partial=False):
     saved_dtypes = {v["key"]: v["dtype"] for v in manifest["variables"]}
     keys = [key for key, _, _ in restorable]
     try:
-        stored = checkpoint_variables.read(path, keys, [saved_dtypes[key] for key in keys])
+        stored = checkpoint_variables.read(
+            path, [in_file.get(key, key) for key in keys], [saved_dtypes[key] for key in keys])
     except (OSError, ValueError) as error:
         raise DamagedCheckpointError(path, f"unreadable variables ({error})") from None
     bad = [key for key, value in zip(keys, stored) if not _all_finite(value)]
