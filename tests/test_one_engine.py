@@ -169,7 +169,7 @@ def test_the_keras_io_step_returning_every_metric_by_name_does_not_warn():
 
 
 def test_a_wrapped_monitor_counts_as_present_and_a_wrapped_auto_resume_restores(tmp_path):
-    from kerastower.loop.main_loop import unwrapped
+    from kerastower.callbacks.base import unwrapped
     from kerastower.loop.main_loop import training_callbacks
 
     towers = kt.distributed("mirrored", devices=TWO)
