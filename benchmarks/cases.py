@@ -288,3 +288,97 @@ def trainer_vs_fit(build, devices, batch, steps, rounds):
     return [(f"kt.Trainer {build.__name__}", "kt.Trainer run_step / TowerModel.fit, 2 towers",
              result.ratio("trainer", "fit"), result.ratio("trainer", "fit", cpu=True), None,
              f"{result.rate('fit'):.0f} samples/s fit")]
+
+
+def _numpy_loop_step(model, x, y, batch, seed=0):
+    """What a hand-written loop over numpy arrays does: each step gathers a
+    shuffled batch of rows (`x[rows]`) and calls one compiled train step on
+    it; a new permutation every pass. Returns a runner."""
+    loss_fn = model.loss
+    model.optimizer.build(model.trainable_variables)
+    spec = (tf.TensorSpec((batch,) + x.shape[1:], tf.as_dtype(x.dtype)),
+            tf.TensorSpec((batch,), tf.as_dtype(y.dtype)))
+
+    @tf.function(input_signature=spec)
+    def step(xb, yb):
+        with tf.GradientTape() as tape:
+            loss = loss_fn(yb, model(xb, training=True))
+        grads = tape.gradient(loss, model.trainable_variables)
+        model.optimizer.apply(grads, model.trainable_variables)
+        return loss
+
+    rng = np.random.default_rng(seed)
+    batches = len(x) // batch
+    state = {"order": rng.permutation(len(x)), "at": 0}
+
+    def one_step():
+        if state["at"] == batches:
+            state["order"], state["at"] = rng.permutation(len(x)), 0
+        rows = state["order"][state["at"] * batch:(state["at"] + 1) * batch]
+        state["at"] += 1
+        return step(x[rows], y[rows])
+
+    return harness.loop_runner(one_step)
+
+
+def numpy_input(build, batch, steps, rounds, goal=1.2):
+    """P0: `fit(x, y)` from numpy arrays on one device, shuffled (Keras's
+    default), kerastower with its default NaN check against stock Keras
+    `fit(x, y)` and against the loop of `_numpy_loop_step` (the same
+    gathers, the same compiled step, no fit). Each fit is one pass over
+    arrays of exactly the steps it takes, as a user's epoch is."""
+    from harness import WARMUP
+
+    x, y = models.examples(build, (WARMUP + steps) * batch)
+    stock = models.compile_model(build(keras.Model))
+    tower = _tower_model("single", build)
+
+    def one_pass(model):
+        return lambda _, cbs: model.fit(x, y, batch_size=batch, epochs=1, verbose=0, callbacks=cbs)
+
+    runners = {
+        "loop": (_numpy_loop_step(models.compile_model(build(keras.Model)), x, y, batch), batch),
+        "stock": (harness.fit_runner(one_pass(stock)), batch),
+        "kt": (harness.fit_runner(one_pass(tower)), batch),
+    }
+    result = harness.compare(runners, steps, rounds)
+    name = build.__name__
+    return [
+        (f"P0 {name}, numpy, shuffled", "kt fit 1 device / stock Keras fit", result.ratio("kt", "stock"),
+         result.ratio("kt", "stock", cpu=True), goal, f"{result.rate('stock'):.0f} samples/s stock"),
+        (f"P0 {name}, numpy, shuffled", "kt fit 1 device / Python loop of numpy gathers + step",
+         result.ratio("kt", "loop"), result.ratio("kt", "loop", cpu=True), 0.95 if goal > 1 else None,
+         f"{result.rate('loop'):.0f} samples/s loop"),
+        (f"P0 {name}, numpy, shuffled", "stock Keras fit / the same loop", result.ratio("stock", "loop"),
+         result.ratio("stock", "loop", cpu=True), None, ""),
+    ]
+
+
+def fixed_costs(build, rounds, epochs=50, steps_per_epoch=4, batch=32, tower_model=None):
+    """Fixed costs: a `fit` of 1 step, and a `fit` of `epochs` epochs of
+    `steps_per_epoch` steps, kerastower on one device against stock Keras,
+    each model warmed by a fit first (tracing is paid once a model, not
+    per fit). Rows give stock seconds / kerastower seconds (>= 1: no worse)."""
+    import statistics
+
+    tower_model = tower_model or (lambda: _tower_model("single", build))
+    x, y = models.examples(build, steps_per_epoch * batch)
+    stock, tower = models.compile_model(build(keras.Model)), tower_model()
+    for model in (stock, tower):
+        model.fit(x, y, batch_size=batch, epochs=2, verbose=0)
+    plans = {"1 step": dict(x=x[:batch], y=y[:batch], batch_size=batch, epochs=1),
+             f"{epochs} epochs x {steps_per_epoch} steps": dict(x=x, y=y, batch_size=batch, epochs=epochs)}
+    rows = []
+    for label, plan in plans.items():
+        seconds = {"stock": [], "kt": []}
+        for index in range(rounds):
+            order = (("stock", stock), ("kt", tower))
+            for name, model in order if index % 2 == 0 else order[::-1]:
+                wall = time.perf_counter()
+                model.fit(verbose=0, **plan)
+                seconds[name].append(time.perf_counter() - wall)
+        ratio = statistics.median(s / k for s, k in zip(seconds["stock"], seconds["kt"]))
+        rows.append((f"fixed {build.__name__}", f"a fit of {label}: stock Keras s / kt s", ratio, None, 1.0,
+                     f"{1000 * statistics.median(seconds['kt']):.1f} ms kt, "
+                     f"{1000 * statistics.median(seconds['stock']):.1f} ms stock"))
+    return rows

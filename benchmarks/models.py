@@ -81,3 +81,11 @@ def examples(build, size, seed=0):
         rng.normal(size=(size,) + INPUT_SHAPES[build]).astype("float32"),
         rng.integers(0, 10, size).astype("int32"),
     )
+
+
+def mlp256(model_cls):
+    """784-256-256-10: issue 29's MLP, where fit's numpy input path shows."""
+    return mlp(model_cls, width=256)
+
+
+INPUT_SHAPES[mlp256] = (FEATURES,)

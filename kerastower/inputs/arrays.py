@@ -8,6 +8,8 @@ array adapter on TensorFlow, it also takes `tf.RaggedTensor`s and
 `tf.SparseTensor`s, whose rows are gathered as a dense array's are.
 """
 
+import copy
+
 import numpy as np
 import tensorflow as tf
 
@@ -167,6 +169,17 @@ class ArrayInput(DatasetInput):
 
     def endless(self, total):
         return self._repeat
+
+    def passes_in_a_row(self):
+        """These arrays read pass after pass as one endless stream (pass p's
+        batches, then pass p+1's, each pass ordered as `ArrayRows.order`):
+        one placement and one iterator serve every epoch of a `fit` on one
+        tower, whose epochs take exactly a pass's batches each."""
+        stream = copy.copy(self)
+        stream._repeat = True
+        stream._index_cache = None
+        stream._built_for = None
+        return stream
 
     def check_finite(self, total):
         """Arrays end, unless repeated for `steps_per_epoch`."""

@@ -298,7 +298,7 @@ class TowerSteps:
 
         carry = (list(trainable), list(non_trainable), list(optimizer_vars), list(tower_metrics),
                  jnp.asarray(True))
-        (*state, _), (flags, values) = jax.lax.scan(step, carry, steps)
+        (*state, _), (flags, values) = jax.lax.scan(step, carry, steps, unroll=True)
         return (*state, flags, values[-1])   # the logs show the last step's values
 
     def _train_step(self, trainable, non_trainable, optimizer_vars, tower_metrics, data, going=True):

@@ -256,6 +256,16 @@ class _Feed(Feed):
             return
         self.source.check_finite(strategy.num_towers)
         self.resumed_skip = None if skip_batches is None else list(skip_batches)
+        if self.by_pass and strategy.num_towers == 1 and strategy.single_process and hasattr(
+                self.source, "passes_in_a_row"):
+            # One tower takes a pass's batches in exactly an epoch's steps:
+            # the passes in a row, placed once, spare every epoch a new
+            # pipeline and iterator (an epoch of 4 steps cost 1.4x stock
+            # Keras's), and every step the question whether data is left.
+            self.endless = True
+            self.iterator = iter(self.model.engine.place(
+                self.source.passes_in_a_row(), pass_index=epoch_num - 1, skip_batches=skip_batches))
+            return
         if self.by_pass:
             return
         self.distributed = self.model.engine.place(self.source)
@@ -272,6 +282,8 @@ class _Feed(Feed):
             return
         skip, self.resumed_skip = self.resumed_skip, None
         loop.tower_batches = skip or [0] * self.model.num_towers
+        if self.endless:  # the passes in a row: the iterator goes on
+            return
         if self.by_pass:
             self.iterator = iter(self.model.engine.place(
                 self.source, pass_index=loop.epoch_num - 1, skip_batches=skip))

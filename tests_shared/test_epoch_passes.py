@@ -1,0 +1,56 @@
+"""One tower's epochs over numpy arrays read each pass whole, in its order, on both backends.
+
+On one tower `fit(x, y)` reads the passes in a row from one placed stream
+(an epoch takes exactly a pass's batches); the proof is a differential
+test against stock Keras's `train_on_batch` on the batches `ArrayRows`
+cuts, pass by pass: a pass that began mid-stream, lost its short last batch
+or took another order would end elsewhere.
+"""
+
+import keras
+import numpy as np
+import pytest
+
+import kerastower as kt
+from kerastower.inputs.array_rows import ArrayRows
+
+N, B, EPOCHS = 10, 4, 3   # passes of 4, 4 and 2 examples
+
+
+def _dense(model_class):
+    keras.utils.set_random_seed(3)
+    inputs = keras.Input((3,))
+    model = model_class(inputs, keras.layers.Dense(2)(inputs))
+    model.compile(optimizer=keras.optimizers.SGD(0.1, momentum=0.5), loss="mse")
+    return model
+
+
+def _data():
+    rng = np.random.default_rng(0)
+    return rng.normal(size=(N, 3)).astype("float32"), rng.normal(size=(N, 2)).astype("float32")
+
+
+@pytest.mark.parametrize("shuffle", [False, True])
+def test_one_tower_epochs_equal_train_on_batch_over_each_pass(shuffle):
+    x, y = _data()
+    with kt.distributed("single"):
+        tower = _dense(kt.TowerModel)
+    stock = _dense(keras.Model)
+    stock.set_weights(tower.get_weights())
+    np.random.seed(7)   # the shuffle's seed is numpy's next draw (ArrayRows)
+    seed = np.random.randint(2**31 - 1)
+    np.random.seed(7)
+    history = tower.fit(x, y, batch_size=B, epochs=EPOCHS, shuffle=shuffle, verbose=0)
+    rows = ArrayRows(N, B, shuffle, seed=seed if shuffle else None)
+    losses = []
+    for pass_index in range(EPOCHS):
+        total = 0.0
+        for batch in rows.batches_of_pass(pass_index):
+            # The epoch's loss: each batch's, before its update, weighted by its size.
+            total += np.mean((stock.predict_on_batch(x[batch]) - y[batch]) ** 2) * len(batch)
+            stock.train_on_batch(x[batch], y[batch])
+        losses.append(total / N)
+    for mine, theirs in zip(tower.get_weights(), stock.get_weights()):
+        np.testing.assert_allclose(mine, theirs, atol=1e-6)
+    assert len(history.history["loss"]) == EPOCHS
+    np.testing.assert_allclose(history.history["loss"], losses, atol=1e-6)
