@@ -354,31 +354,9 @@ def numpy_input(build, batch, steps, rounds, goal=1.2):
     ]
 
 
-def fixed_costs(build, rounds, epochs=50, steps_per_epoch=4, batch=32, tower_model=None):
-    """Fixed costs: a `fit` of 1 step, and a `fit` of `epochs` epochs of
-    `steps_per_epoch` steps, kerastower on one device against stock Keras,
-    each model warmed by a fit first (tracing is paid once a model, not
-    per fit). Rows give stock seconds / kerastower seconds (>= 1: no worse)."""
-    import statistics
-
-    tower_model = tower_model or (lambda: _tower_model("single", build))
-    x, y = models.examples(build, steps_per_epoch * batch)
-    stock, tower = models.compile_model(build(keras.Model)), tower_model()
-    for model in (stock, tower):
-        model.fit(x, y, batch_size=batch, epochs=2, verbose=0)
-    plans = {"1 step": dict(x=x[:batch], y=y[:batch], batch_size=batch, epochs=1),
-             f"{epochs} epochs x {steps_per_epoch} steps": dict(x=x, y=y, batch_size=batch, epochs=epochs)}
-    rows = []
-    for label, plan in plans.items():
-        seconds = {"stock": [], "kt": []}
-        for index in range(rounds):
-            order = (("stock", stock), ("kt", tower))
-            for name, model in order if index % 2 == 0 else order[::-1]:
-                wall = time.perf_counter()
-                model.fit(verbose=0, **plan)
-                seconds[name].append(time.perf_counter() - wall)
-        ratio = statistics.median(s / k for s, k in zip(seconds["stock"], seconds["kt"]))
-        rows.append((f"fixed {build.__name__}", f"a fit of {label}: stock Keras s / kt s", ratio, None, 1.0,
-                     f"{1000 * statistics.median(seconds['kt']):.1f} ms kt, "
-                     f"{1000 * statistics.median(seconds['stock']):.1f} ms stock"))
-    return rows
+def fixed_costs(build, rounds, batch=32):
+    """Fixed costs of a `fit` and of an epoch, kerastower on one device
+    against stock Keras (harness.fixed_costs)."""
+    x, y = models.examples(build, 4 * batch)
+    return harness.fixed_costs(build.__name__, models.compile_model(build(keras.Model)),
+                               _tower_model("single", build), x, y, batch, rounds)

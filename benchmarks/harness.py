@@ -143,3 +143,30 @@ def best_ms_on_and_off(build, switch, x, y, per_tower, towers, rounds=3):
             times[on].append((time.perf_counter() - start) / steps * 1e3)
     ratios = [off / on for on, off in zip(times[True], times[False])]
     return min(times[True]), min(times[False]), statistics.median(ratios)
+
+
+def fixed_costs(name, stock, tower, x, y, batch, rounds, epochs=50):
+    """What a `fit` costs besides its steps: a `fit` of 1 step, and a `fit`
+    of `epochs` epochs of one pass over `x` (a few steps each), stock
+    Keras's `stock` against kerastower's `tower`, alternating, each model
+    warmed by a fit first (tracing is paid once a model, not per fit).
+    Rows give stock seconds / kerastower seconds (>= 1: no worse)."""
+    for model in (stock, tower):
+        model.fit(x, y, batch_size=batch, epochs=2, verbose=0)
+    steps = -(-len(x) // batch)
+    plans = {"1 step": dict(x=x[:batch], y=y[:batch], batch_size=batch, epochs=1),
+             f"{epochs} epochs x {steps} steps": dict(x=x, y=y, batch_size=batch, epochs=epochs)}
+    rows = []
+    for label, plan in plans.items():
+        seconds = {"stock": [], "kt": []}
+        for index in range(rounds):
+            order = (("stock", stock), ("kt", tower))
+            for who, model in order if index % 2 == 0 else order[::-1]:
+                wall = time.perf_counter()
+                model.fit(verbose=0, **plan)
+                seconds[who].append(time.perf_counter() - wall)
+        ratio = statistics.median(s / k for s, k in zip(seconds["stock"], seconds["kt"]))
+        rows.append((f"fixed {name}", f"a fit of {label}: stock Keras s / kt s", ratio, None, 1.0,
+                     f"{1000 * statistics.median(seconds['kt']):.1f} ms kt, "
+                     f"{1000 * statistics.median(seconds['stock']):.1f} ms stock"))
+    return rows

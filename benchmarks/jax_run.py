@@ -112,9 +112,15 @@ def rows_for(build, batch, towers, steps, rounds, spe=8, data_steps=64):
     ]
     if towers > 1:
         rows.append((f"JAX {name}", f"kt fit {towers} towers / kt fit 1 device", "kt towers", "kt", None))
-    return [(case, what, result.ratio(a, b), result.ratio(a, b, cpu=True), goal,
+    rows = [(case, what, result.ratio(a, b), result.ratio(a, b, cpu=True), goal,
              f"{result.rate('bare'):.0f} samples/s bare" if a == "kt" and b == "bare" else "")
             for case, what, a, b, goal in rows]
+    fixed_x, fixed_y = x[:4 * batch], y[:4 * batch]
+    with kt.distributed("single", devices=[0]):
+        fixed_tower = models.compile_model(build(kt.TowerModel), jit_compile=True)
+    fixed_stock = models.compile_model(build(keras.Model), jit_compile=True)
+    return rows + harness.fixed_costs(name, fixed_stock, fixed_tower, fixed_x, fixed_y, batch,
+                                      max(3, rounds // 2))
 
 
 def main():
@@ -146,7 +152,8 @@ def main():
                 getattr(models, name), args.batch, args.towers, args.steps, args.rounds, args.spe,
                 args.data_steps):
             met = "" if goal is None else f">= {goal}" + (" met" if wall >= goal else " NOT met")
-            print(f"| {case} | {what} | {wall:.3f} | {cpu:.3f} | {met} | {detail} |", flush=True)
+            cpu = "-" if cpu is None else f"{cpu:.3f}"
+            print(f"| {case} | {what} | {wall:.3f} | {cpu} | {met} | {detail} |", flush=True)
 
 
 if __name__ == "__main__":

@@ -69,6 +69,19 @@ def gather_rows(array, rows):
     return tf.sparse.reorder(tf.SparseTensor(indices, tf.boolean_mask(array.values, keep), dense_shape))
 
 
+def _as_tensor(array):
+    if isinstance(array, (tf.SparseTensor, tf.RaggedTensor)):
+        return array
+    return tf.convert_to_tensor(array)
+
+
+def _batch_spec(array):
+    """The spec of a batch of `array`'s rows, its batch size open."""
+    if isinstance(array, (tf.SparseTensor, tf.RaggedTensor)):
+        return tf.data.Dataset.from_tensor_slices(array).batch(1).element_spec
+    return tf.TensorSpec((None,) + tuple(np.shape(array)[1:]), tf.convert_to_tensor(array[:1]).dtype)
+
+
 class ArrayInput(DatasetInput):
     """numpy arrays cut into per-tower batches, reshuffled every pass.
 
@@ -102,8 +115,14 @@ class ArrayInput(DatasetInput):
         self.batch_size = batch_size
         self.rows = ArrayRows(lengths.pop(), batch_size, shuffle)
         self._first_pass = 0
-        super().__init__(self._gathered(self._index_batches()))
-        self._built_for = (0, self.rows.seed)
+        # Built when first read (building traces the gather): a fit on one
+        # tower reads the passes in a row instead (`passes_in_a_row`).
+        self._dataset, self._fn, self.per_tower = None, None, False
+        self._built_for = None
+
+    def element_spec(self, total):
+        """The spec of a batch, from the arrays (no pipeline is built)."""
+        return tf.nest.map_structure(_batch_spec, self._element)
 
     def _tower_dataset(self, ctx):
         # Kept while the pass and seed stay: building traces the gather.
@@ -150,7 +169,10 @@ class ArrayInput(DatasetInput):
         return tf.data.Dataset.counter(self._first_pass).map(batches_of).unbatch()
 
     def _gathered(self, indices):
-        arrays = tf.data.Dataset.from_tensors(self._element).repeat()
+        if not hasattr(self, "_tensors"):
+            # Copied into tensors once, not at every pipeline built.
+            self._tensors = tf.nest.map_structure(_as_tensor, self._element)
+        arrays = tf.data.Dataset.from_tensors(self._tensors).repeat()
         return tf.data.Dataset.zip((indices, arrays)).map(
             lambda batch, element: tf.nest.map_structure(lambda a: gather_rows(a, batch), element),
             num_parallel_calls=tf.data.AUTOTUNE, deterministic=True,
