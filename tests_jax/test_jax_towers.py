@@ -106,3 +106,33 @@ def test_the_jax_page_and_docstrings_run(tmp_path, monkeypatch):
             if test.examples:
                 result = doctest.DocTestRunner().run(test)
                 assert result.failed == 0, test.name
+
+
+def _towers_run(branch, num_towers=2):
+    """`on_every_tower(branch)` in a shard_map over `num_towers` devices: the
+    jaxpr of the whole, and each tower's result."""
+    from jax.sharding import PartitionSpec
+    from kerastower.backend.jax import towers as jax_towers
+
+    mesh = jax_placement.tower_mesh(jax.devices()[:num_towers])
+    per_tower = PartitionSpec(jax_placement.AXIS)
+
+    def body(x):
+        return jax_towers.on_every_tower(branch, num_towers, x)
+
+    run = jax.shard_map(body, mesh=mesh, in_specs=per_tower, out_specs=per_tower)
+    x = np.arange(num_towers * 2, dtype="float32").reshape(num_towers, 2)
+    return str(jax.make_jaxpr(run)(x)), np.asarray(jax.jit(run)(x))
+
+
+def test_towers_whose_steps_do_not_depend_on_their_index_run_one_computation_without_a_switch():
+    # XLA:CPU runs a convolution inside a conditional many times slower.
+    jaxpr, result = _towers_run(lambda index, x: x * 2.0 + 1.0)
+    assert "cond[" not in jaxpr and "switch" not in jaxpr
+    np.testing.assert_array_equal(result, np.arange(4, dtype="float32").reshape(2, 2) * 2.0 + 1.0)
+
+
+def test_towers_whose_steps_read_their_index_run_as_a_switch_each_its_own():
+    jaxpr, result = _towers_run(lambda index, x: x + 10.0 * index, num_towers=3)
+    assert "cond[" in jaxpr
+    np.testing.assert_array_equal(result, np.arange(6, dtype="float32").reshape(3, 2) + [[0.0], [10.0], [20.0]])

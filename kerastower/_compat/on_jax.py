@@ -31,7 +31,7 @@ from kerastower._compat.patches import ScopedPatch
 from kerastower._compat.required import _missing
 from kerastower._compat.required import require
 
-__all__ = ["require_function", "synchronized_moments_routed", "synchronized_batchnorm_admitted",
+__all__ = ["require_function", "jaxpr_as_fun", "synchronized_moments_routed", "synchronized_batchnorm_admitted",
            "rnn_initial_states_typed", "current_stateless_scope", "inheriting_stateless_scope"]
 
 _MOMENTS = ("keras.src.backend.jax.nn", "moments")
@@ -46,6 +46,13 @@ def require_function(module_name, attribute):
     if not callable(found):
         raise _missing(f"{module_name}.{attribute} as a function or class")
     return found
+
+
+def jaxpr_as_fun(closed_jaxpr):
+    """A closed jaxpr as a function of its inputs' leaves, run in the current
+    trace (jax.extend's `jaxpr_as_fun`): the towers' step traced once, then
+    run as one computation or as a switch's branches (backend/jax/towers.py)."""
+    return require_function("jax.extend.core", "jaxpr_as_fun")(closed_jaxpr)
 
 
 def _parameter(function, name, what):

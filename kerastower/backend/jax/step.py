@@ -311,7 +311,7 @@ class TowerSteps:
 
         def tower(index, trainable, non_trainable, optimizer_vars, metrics, data):
             examples = jax.tree.leaves(data)[0].shape[0]
-            non_trainable = jax_towers.seeded_apart(non_trainable, positions, index)
+            non_trainable = jax_towers.seeded_apart(non_trainable, positions, self.num_towers)
             with self._tower_context(index, True, examples), \
                     _gradients_taken(model.optimizer, step_name) as taken:
                 logs, (_, non_trainable, _, metrics) = model.train_step(

@@ -179,7 +179,7 @@ class TowerFunctionRunner(engine.TowerFunctionRunner):
                 f"(got {type(args[0]).__name__}). Pass next_batches() first, or use "
                 "reduce=\"sum\" or None.")
         weight = jnp.asarray(1.0 if examples is None else examples, "float32")
-        values = seeded_apart(state, seeds, index)
+        values = seeded_apart(state, seeds, num_towers)
         ctx = TowerContext(index, num_towers, self.training)
         ctx.strategy, ctx.num_examples = model.tower_strategy, examples
         ctx.batch_size = examples

@@ -15,6 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from kerastower import _compat
+from kerastower._compat import on_jax as jax_compat
 from kerastower import loss_divisors
 from kerastower.backend.jax import sync as jax_sync
 from kerastower.backend.jax.placement import AXIS
@@ -36,10 +37,39 @@ def on_every_tower(branch, num_towers, *args):
     if num_towers == 1:
         with jax_sync.synchronized_over(None):
             return branch(0, *args)
-    branches = [functools.partial(branch, i) for i in range(num_towers)]
     # Masked losses divide by the joined batch's count (loss_divisors.py).
     with jax_sync.synchronized_over(AXIS), loss_divisors.MASKED_LOSSES:
-        return jax.lax.switch(jax.lax.axis_index(AXIS), branches, *args)
+        traced = [jax.make_jaxpr(functools.partial(branch, i), return_shape=True)(*args)
+                  for i in range(num_towers)]
+    leaves = jax.tree.leaves(args)
+    runs = [jax_compat.jaxpr_as_fun(jaxpr) for jaxpr, _ in traced]
+    shapes = traced[0][1]
+    if all(_same_computation(traced[0][0], jaxpr) for jaxpr, _ in traced[1:]):
+        # No tower's step depends on its index (the common case): every
+        # tower runs the one computation, without a switch. XLA:CPU runs a
+        # convolution inside a conditional many times slower (a ConvNet's
+        # step on 2 towers 1.8 s against 0.1 s).
+        outputs = runs[0](*leaves)
+    else:
+        outputs = jax.lax.switch(jax.lax.axis_index(AXIS), runs, *leaves)
+    # Typed as the switch's would be: each tower's own.
+    outputs = [varying(value, num_towers) for value in outputs]
+    return jax.tree.unflatten(jax.tree.structure(shapes), outputs)
+
+
+def _same_computation(one, other):
+    """Whether two closed jaxprs compute the same thing from the same inputs."""
+    if str(one.jaxpr) != str(other.jaxpr) or len(one.consts) != len(other.consts):
+        return False
+    for a, b in zip(one.consts, other.consts):
+        if a is b:
+            continue
+        if isinstance(a, jax.core.Tracer) or isinstance(b, jax.core.Tracer):
+            return False
+        a, b = np.asarray(a), np.asarray(b)
+        if a.shape != b.shape or a.dtype != b.dtype or not np.array_equal(a, b, equal_nan=True):
+            return False
+    return True
 
 
 def sum_over_towers(num_towers):
@@ -118,14 +148,18 @@ def seed_positions(model, variables):
     return [i for i, v in enumerate(variables) if id(v) in states]
 
 
-def seeded_apart(values, positions, index):
-    """Tower `index`'s random streams: tower 0's seed moved by the index (as
-    on TensorFlow), so no two towers draw the same Dropout mask or noise."""
-    if index == 0:
-        return list(values)
+def seeded_apart(values, positions, num_towers):
+    """This tower's random streams: tower 0's seed moved by the tower's
+    index (as on TensorFlow), so no two towers draw the same Dropout mask or
+    noise. The index is read on the device (`axis_index`), so the towers'
+    steps stay one computation (`on_every_tower`)."""
     values = list(values)
+    if num_towers == 1 or not positions:
+        return values
+    index = jax.lax.axis_index(AXIS)
     for i in positions:
-        values[i] = values[i] + jnp.asarray([index * 1_000_003, 0], values[i].dtype)
+        offset = jnp.stack([index.astype(values[i].dtype) * 1_000_003, jnp.zeros((), values[i].dtype)])
+        values[i] = values[i] + offset
     return values
 
 
