@@ -6,7 +6,6 @@ input position, and adds validation to the epoch's logs.
 """
 
 import keras
-import numpy as np
 
 from kerastower import _compat
 from kerastower.callbacks.base import RunHooks
@@ -78,8 +77,7 @@ class FitSteps(Iteration):
             # The step function's logs are the metrics read across towers
             # (and processes); the model's own read would be this process's.
             self.logs, self.final_logs = run.logs, run.final_logs
-            taken = np.asarray(self.loop.tower_batches, np.int64) + np.asarray(run.tower_batches, np.int64)
-            self.loop.tower_batches = taken.tolist()
+            self.loop.tower_batches = [int(a) + int(b) for a, b in zip(self.loop.tower_batches, run.tower_batches)]
             self.loop.examples_seen += run.examples
             self._announce_total_batch(run.tower_examples)
         return run.done, self.logs

@@ -301,6 +301,6 @@ class _Feed(Feed):
         done = run.steps - (run.nonfinite_towers is not None)
         return StepRun(
             taken=run.steps, done=done, logs=run.logs, final_logs=run.final_logs,
-            tower_batches=np.asarray(run.tower_batches, np.int64).tolist() if run.steps else [],
+            tower_batches=list(run.tower_batches) if run.steps else [],
             examples=int(run.examples), tower_examples=run.tower_examples,
             nonfinite_towers=run.nonfinite_towers)

@@ -395,12 +395,14 @@ def run_steps(function, iterator, num_steps, what="step", endless=False, failure
     except tf.errors.OpError as error:
         failure = step_errors.explain(error, what, failures)
         raise failure from failure.__cause__
-    counters = np.asarray(counters)
-    steps, examples, finite = (int(c) for c in counters[:3])
-    tower_examples, tower_batches, bad_towers = np.split(counters[3:], 3)
+    counters = counters.numpy().tolist()
+    steps, examples, finite = counters[:3]
+    towers = (len(counters) - 3) // 3
+    tower_examples, tower_batches, bad_towers = (
+        counters[3 + k * towers:3 + (k + 1) * towers] for k in range(3))
     return StepsRun(
-        steps, examples, tower_examples, tower_batches.astype(np.int64), outputs,
-        None if finite else np.flatnonzero(bad_towers).tolist(), final[0] if final else None,
+        steps, examples, tower_examples, tower_batches, outputs,
+        None if finite else [i for i, bad in enumerate(bad_towers) if bad], final[0] if final else None,
     )
 
 
