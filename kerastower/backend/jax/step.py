@@ -98,6 +98,7 @@ class TowerSteps:
         self._tower_metrics = None
         self._summed_metrics = None  # their sum over the towers, replicated
         self._held = None
+        self._stack_metrics = None
         self._spans = spans_processes(mesh)
         self._host_memory = all(d.platform == "cpu" for d in mesh.devices.flat)
 
@@ -106,7 +107,10 @@ class TowerSteps:
     def _replicated(self, values):
         sharding = NamedSharding(self.mesh, REPLICATED)
         # Across processes, every process puts its own copy of the same value.
-        return [jax.device_put(np.asarray(v) if self._spans else v, sharding) for v in values]
+        # One device_put for all: JAX's per-call cost is most of a small
+        # model's epoch when paid per variable.
+        values = [np.asarray(v) if self._spans else v for v in values]
+        return list(jax.device_put(values, [sharding] * len(values))) if values else []
 
     def reset_metrics(self):
         """Every tower's metric variables start again from the model's."""
@@ -123,12 +127,23 @@ class TowerSteps:
         if self._tower_metrics is None:
             # Tower 0 holds what the model's metrics hold, the others zeros:
             # their sum is the model's.
-            stacked = [
-                np.stack([np.asarray(v.value)] + [np.zeros(v.shape, v.dtype)] * (self.num_towers - 1))
-                for v in self.model.metrics_variables
-            ]
+            values = [v.value for v in self.model.metrics_variables]
             sharding = NamedSharding(self.mesh, BY_TOWER)
-            self._tower_metrics = [jax.device_put(v, sharding) for v in stacked]
+            if self._spans:
+                stacked = [np.stack([np.asarray(v)] + [np.zeros(v.shape, v.dtype)] * (self.num_towers - 1))
+                           for v in values]
+                self._tower_metrics = list(jax.device_put(stacked, [sharding] * len(stacked)))
+            else:
+                # Stacked on the devices: reading the values back to the
+                # host would wait for the step in flight (every epoch).
+                if self._stack_metrics is None:
+                    towers = self.num_towers
+                    self._stack_metrics = jax.jit(lambda values: [
+                        jnp.concatenate([v[None], jnp.zeros((towers - 1,) + v.shape, v.dtype)]) for v in values
+                    ], out_shardings=sharding)
+                # The values may live on another mesh's devices (a short last step's).
+                values = self._replicated(values)
+                self._tower_metrics = list(self._stack_metrics(values)) if values else []
         return self._tower_metrics
 
     def _write_back(self, variables, values):
