@@ -221,7 +221,8 @@ class _Feed(Feed):
         On JAX every tower counts the steps, so a step's batches are skipped
         whole."""
         self.endless = bool(self.steps_per_epoch)
-        self._ahead = self._pending = None
+        self._ahead = self._pending = self._launched = None
+        self._launching = True
         skip = max(skip_batches) if skip_batches else 0
         self.resumed_pass = None
         if self.endless:
@@ -234,7 +235,7 @@ class _Feed(Feed):
         if self.endless:
             return
         loop.tower_batches = [0] * self.model.num_towers
-        self._ahead = self._pending = None  # a new pass, a new iterator
+        self._ahead = self._pending = self._launched = None  # a new pass, a new iterator
         skip = 0
         if self.resumed_pass is not None:
             loop.tower_batches, self.resumed_pass = self.resumed_pass, None
@@ -249,13 +250,12 @@ class _Feed(Feed):
         num_towers = self.model.num_towers
         run = StepRun(tower_batches=[0] * num_towers)
         while run.done < num_steps:
-            steps, placed = self._ahead or (self._take_steps(num_steps - run.done), None)
-            self._ahead = None
+            steps, logs, finite = self._next_call(num_steps - run.done)
             if not steps:
                 break
-            run.logs, finite = self.engine.run_towers("train", steps, placed)
+            run.logs = logs
             run.final_logs = self.engine.tower_steps(len(steps[0])).final_logs
-            self._ahead = self._read_ahead(self._next_call_steps(num_steps, run.done + len(steps)))
+            self._look_ahead(self._next_call_steps(num_steps, run.done + len(steps)), len(steps[0]))
             failed = jax_step.first_nonfinite_step(finite)  # waits for the steps
             done = len(steps) if failed is None else failed[0]
             for batches in steps[:done]:
@@ -269,10 +269,48 @@ class _Feed(Feed):
             if failed is not None:
                 run.taken += 1   # its batches were read; its update was not applied
                 run.nonfinite_towers = failed[1]
+                self._launched = None  # it followed the failed call: dropped
                 break
         return run
 
+    def _next_call(self, most):
+        """(the steps of the next call, their logs, their finite flags): the
+        call launched ahead when it still starts from the towers' state,
+        else a call launched now, of at most `most` steps."""
+        launched, self._launched = self._launched, None
+        if launched is not None:
+            tower_steps = self.engine.tower_steps(len(launched.steps[0]))
+            if launched.generation == tower_steps.generation:
+                # Its outputs become the towers' state before its flags are
+                # read: a non-finite call's outputs are its inputs.
+                return (launched.steps, *tower_steps.commit(launched))
+            # A callback synced the state (and may have set a variable):
+            # the launched steps run again from it, and no later call is
+            # launched ahead in this fit (it would be lost again).
+            self._ahead = (launched.steps, launched.placed)
+            self._launching = False
+        steps, placed = self._ahead or (self._take_steps(most), None)
+        self._ahead = None
+        if not steps:
+            return [], None, None
+        return (steps, *self.engine.run_towers("train", steps, placed))
+
+    def _look_ahead(self, num_steps, num_towers):
+        """While the steps just launched run, the next call's batches are
+        read and placed (`_read_ahead`) and, where the towers' steps
+        allow (`TowerSteps.launches_ahead`), that call is launched too: the
+        host's work between two steps (the loop, the callbacks) then
+        overlaps the devices', as with the finite check off."""
+        self._ahead = self._read_ahead(num_steps)
+        if not self._ahead or not self._ahead[0] or len(self._ahead[0][0]) != num_towers:
+            return
+        tower_steps = self.engine.tower_steps(num_towers)
+        if self._launching and tower_steps.launches_ahead():
+            self._launched = tower_steps.launch(*self._ahead, after_held=True)
+            self._ahead = None
+
     _pending = None  # a step taken from the input that must run in a call of its own
+    _launched = None  # the next call's steps, launched ahead (`_look_ahead`)
 
     def _take_steps(self, most):
         """Up to `most` steps of the input to run in one call: steps of every

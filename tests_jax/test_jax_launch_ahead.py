@@ -1,0 +1,136 @@
+"""JAX: the next call launched before this one's finite flags are read.
+
+With the NaN check on, a step's callbacks wait for its finite flag; the
+engine launches the next call first (`TowerSteps.launch(after_held=True)`),
+so the host's work overlaps the device's. What callbacks see and do must
+not change: each test runs the same fit with the check on (launching
+ahead) and off (no flag to wait for, nothing launched ahead), from the same
+weights on the same batches, and compares.
+"""
+
+import keras
+import numpy as np
+import pytest
+
+import kerastower as kt
+from kerastower.errors import NonFiniteError
+
+
+def _data(n=96):
+    rng = np.random.default_rng(0)
+    return rng.normal(size=(n, 5)).astype("float32"), rng.normal(size=(n, 2)).astype("float32")
+
+
+def _pair(devices=(0,)):
+    """Two models with the same weights: the check on, and off."""
+    models = []
+    for check in (True, False):
+        keras.utils.set_random_seed(3)
+        with kt.distributed("single" if len(devices) == 1 else "mirrored", devices=list(devices)):
+            inputs = keras.Input((5,))
+            h = keras.layers.Dense(8, activation="relu")(inputs)
+            model = kt.TowerModel(inputs, keras.layers.Dense(2)(h))
+            model.compile(optimizer="adam", loss="mse", metrics=["mae"], check_finite=check)
+        models.append(model)
+    return models
+
+
+def _launched_ahead(model):
+    return any(mode.startswith("kept:") for mode in model.engine.tower_steps()._functions)
+
+
+def _assert_same_weights(a, b):
+    for x, y in zip(a.get_weights(), b.get_weights()):
+        np.testing.assert_allclose(x, y, rtol=0, atol=1e-6)
+
+
+class _BatchLog(keras.callbacks.Callback):
+    def __init__(self):
+        super().__init__()
+        self.losses = []
+
+    def on_train_batch_end(self, batch, logs=None):
+        self.losses.append(float(logs["loss"]))
+
+
+@pytest.mark.parametrize("devices", [(0,), (0, 1)])
+def test_launching_ahead_changes_no_weight_and_no_batch_log(devices):
+    checked, unchecked = _pair(devices)
+    x, y = _data()
+    logs = {}
+    for model in (checked, unchecked):
+        logs[model] = _BatchLog()
+        keras.utils.set_random_seed(7)  # the same shuffle
+        model.fit(x, y, batch_size=8, epochs=3, shuffle=True, verbose=0, callbacks=[logs[model]])
+    assert _launched_ahead(checked)
+    assert not _launched_ahead(unchecked)
+    _assert_same_weights(checked, unchecked)
+    np.testing.assert_allclose(logs[checked].losses, logs[unchecked].losses, rtol=0, atol=1e-6)
+    assert int(checked.optimizer.iterations) == int(unchecked.optimizer.iterations) == 3 * 96 // (8 * len(devices))
+
+
+class _HalveKernelAt(keras.callbacks.Callback):
+    """Reads and sets a weight at one batch's end (Keras syncs the state
+    when `self.model` is read); the next step must start from it."""
+
+    def __init__(self, batch):
+        super().__init__()
+        self.batch = batch
+        self.seen = None
+
+    def on_train_batch_end(self, batch, logs=None):
+        if batch == self.batch:
+            kernel = self.model.layers[-1].kernel
+            self.seen = np.array(kernel.value)
+            kernel.assign(kernel.value * 0.5)
+
+
+def test_a_weight_a_callback_sets_reaches_the_next_step_launched_ahead_or_not():
+    checked, unchecked = _pair()
+    x, y = _data()
+    seen = {}
+    for model in (checked, unchecked):
+        callback = _HalveKernelAt(batch=4)
+        model.fit(x, y, batch_size=8, epochs=1, shuffle=False, verbose=0, callbacks=[callback])
+        seen[model] = callback.seen
+    # The callback saw the weights after its own batch, not a step later...
+    np.testing.assert_allclose(seen[checked], seen[unchecked], rtol=0, atol=1e-6)
+    # ...and the steps after it started from the halved kernel.
+    _assert_same_weights(checked, unchecked)
+    assert int(checked.optimizer.iterations) == 12
+
+
+class _StopAt(keras.callbacks.Callback):
+    def __init__(self, batch):
+        super().__init__()
+        self.batch = batch
+
+    def on_train_batch_end(self, batch, logs=None):
+        if batch == self.batch:
+            self.model.stop_training = True
+
+
+def test_a_stop_at_a_batch_drops_the_call_launched_after_it():
+    checked, unchecked = _pair()
+    x, y = _data()
+    for model in (checked, unchecked):
+        model.fit(x, y, batch_size=8, epochs=2, shuffle=False, verbose=0, callbacks=[_StopAt(5)])
+    assert _launched_ahead(checked)
+    assert int(checked.optimizer.iterations) == int(unchecked.optimizer.iterations) == 6
+    assert checked.loop.global_step == 6
+    _assert_same_weights(checked, unchecked)
+
+
+def test_a_nonfinite_step_leaves_the_last_finite_state_with_a_call_launched_after_it():
+    checked, unchecked = _pair()
+    x, y = _data()
+    y_bad = y.copy()
+    y_bad[40] = np.inf  # the sixth batch of 8
+    checked.fit(x, y, batch_size=8, epochs=1, shuffle=False, verbose=0)
+    unchecked.fit(x, y, batch_size=8, epochs=1, shuffle=False, verbose=0)
+    with pytest.raises(NonFiniteError):
+        checked.fit(x, y_bad, batch_size=8, epochs=1, shuffle=False, verbose=0)
+    unchecked.fit(x[:40], y[:40], batch_size=8, epochs=1, shuffle=False, verbose=0)
+    assert _launched_ahead(checked)
+    _assert_same_weights(checked, unchecked)
+    assert int(checked.optimizer.iterations) == int(unchecked.optimizer.iterations) == 12 + 5
