@@ -1,7 +1,7 @@
 """JAX: the next call launched before this one's finite flags are read.
 
 With the NaN check on, a step's callbacks wait for its finite flag; the
-engine launches the next call first (`TowerSteps.launch(after_held=True)`),
+engine launches the next call first (`TowerSteps.launches_ahead`),
 so the host's work overlaps the device's. What callbacks see and do must
 not change: each test runs the same fit with the check on (launching
 ahead) and off (no flag to wait for, nothing launched ahead), from the same
@@ -36,7 +36,7 @@ def _pair(devices=(0,)):
 
 
 def _launched_ahead(model):
-    return any(mode.startswith("kept:") for mode in model.engine.tower_steps()._functions)
+    return model.engine.tower_steps().launches_ahead()
 
 
 def _assert_same_weights(a, b):

@@ -306,7 +306,7 @@ class _Feed(Feed):
             return
         tower_steps = self.engine.tower_steps(num_towers)
         if self._launching and tower_steps.launches_ahead():
-            self._launched = tower_steps.launch(*self._ahead, after_held=True)
+            self._launched = tower_steps.launch(*self._ahead)
             self._ahead = None
 
     _pending = None  # a step taken from the input that must run in a call of its own

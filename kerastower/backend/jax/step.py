@@ -243,25 +243,25 @@ class TowerSteps:
         reads them; None when unchecked)."""
         return self.commit(self.launch(steps, placed))
 
-    def launch(self, steps, placed=None, after_held=False):
+    def launch(self, steps, placed=None):
         """Dispatches `len(steps)` training steps from the state the towers
         hold and returns them in flight (`LaunchedSteps`), not yet the
         towers' state: `commit` makes them so.
 
-        `after_held`: the call follows one whose outputs are held and may
-        still be read (a callback's sync) or dropped (the loop stopping
-        after it), so they are not donated to it. The steps of a
-        non-finite call change nothing, so its outputs are its inputs.
+        Where the steps launch ahead (`launches_ahead`), the state they
+        start from is not donated to them: it stays the towers' until
+        they are committed, so a callback may still read it (a sync) and
+        the loop may still drop them (stopping before them). The steps of
+        a non-finite call change nothing, so its outputs are its inputs.
         """
         data = self.place_steps(steps) if placed is None else placed
-        kept = "kept:" if after_held else ""
         if len(steps) == 1:
-            function = self._function(kept + "train", self._train_body)
+            function = self._function("train", self._train_body)
         else:
-            function = self._function(f"{kept}train_steps:{len(steps)}",
+            function = self._function(f"train_steps:{len(steps)}",
                                       functools.partial(self._train_steps_body, len(steps)))
         state = (*self._current_state(), self._metric_state())
-        if not after_held:
+        if not self.launches_ahead():
             self._held = None  # donated to the step
         return LaunchedSteps(steps, data, self.generation, function(state, data))
 
@@ -278,11 +278,13 @@ class TowerSteps:
 
     def launches_ahead(self):
         """Whether the next call may be launched before this one's finite
-        flags are read (`launch(after_held=True)`): only where a flag is
+        flags are read, and so whether the training steps take the state
+        they start from as their own (donated) or not: only where a flag is
         waited for (checked), in one process (a callback's sync that drops
         the launch must not make one process run a call the others do
         not), and where holding the state twice costs less than it hides
-        (`LAUNCH_AHEAD_MAX_BYTES`, `LAUNCH_AHEAD_MAX_BYTES_CPU`)."""
+        (`LAUNCH_AHEAD_MAX_BYTES`, `LAUNCH_AHEAD_MAX_BYTES_CPU`). Decided
+        once, at the first step: one compiled step serves every call."""
         if self._launches_ahead is None:
             size = sum(int(np.prod(v.shape)) * jnp.dtype(v.dtype).itemsize
                        for variables in self._variable_lists() for v in variables)
@@ -323,16 +325,15 @@ class TowerSteps:
                                 (REPLICATED,) * 3 + (BY_TOWER, BY_STEP_AND_TOWER, REPLICATED)),
                 "test": ((REPLICATED,) * 2 + (BY_TOWER, BY_TOWER), (BY_TOWER, REPLICATED)),
                 "predict": ((REPLICATED,) * 2 + (BY_TOWER,), BY_TOWER),
-            }[mode.removeprefix("kept:").split(":")[0]]
+            }[mode.split(":")[0]]
             sharded = (body if self.num_towers == 1 else
                        jax.shard_map(body, mesh=self.mesh, in_specs=specs[0], out_specs=specs[1]))
+            donated = mode.startswith("train") and not self.launches_ahead()
             self._functions[mode] = jax.jit(
-                functools.partial(self._run, mode, sharded),
-                donate_argnums=0 if mode.startswith("train") else ())
+                functools.partial(self._run, mode, sharded), donate_argnums=0 if donated else ())
         return self._functions[mode]
 
     def _run(self, mode, sharded, state, data):
-        mode = mode.removeprefix("kept:")
         if mode == "predict":
             outputs = sharded(*state, data)
             # Every process returns every tower's outputs, in tower order.
