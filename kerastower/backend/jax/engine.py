@@ -280,13 +280,13 @@ class _Feed(Feed):
         launched, self._launched = self._launched, None
         if launched is not None:
             tower_steps = self.engine.tower_steps(len(launched.steps[0]))
-            if launched.generation == tower_steps.generation:
+            if launched.generation == tower_steps.generation():
                 # Its outputs become the towers' state before its flags are
                 # read: a non-finite call's outputs are its inputs.
                 return (launched.steps, *tower_steps.commit(launched))
-            # A callback synced the state (and may have set a variable):
-            # the launched steps run again from it, and no later call is
-            # launched ahead in this fit (it would be lost again).
+            # A callback set a variable (or the metrics were reset): the
+            # launched steps run again from the variables, and no later
+            # call is launched ahead in this fit (it would be lost again).
             self._ahead = (launched.steps, launched.placed)
             self._launching = False
         steps, placed = self._ahead or (self._take_steps(most), None)

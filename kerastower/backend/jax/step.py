@@ -127,11 +127,13 @@ class TowerSteps:
         self._tower_metrics = None
         self._summed_metrics = None  # their sum over the towers, replicated
         self._held = None
+        self._written = None  # what `sync` left in the variables (see _check_written)
         self._generation = 0
         self._launches_ahead = None
         self._stack_metrics = None
         self._spans = spans_processes(mesh)
         self._host_memory = all(d.platform == "cpu" for d in mesh.devices.flat)
+        self._devices = set(mesh.devices.flat)
 
     # -- state ------------------------------------------------------------
 
@@ -141,6 +143,11 @@ class TowerSteps:
         # One device_put for all: JAX's per-call cost is most of a small
         # model's epoch when paid per variable.
         values = [np.asarray(v) if self._spans else v for v in values]
+        if self.num_towers == 1 and all(
+                getattr(getattr(v, "sharding", None), "device_set", None) == self._devices for v in values):
+            # On the one tower's device already: device_put would hand back
+            # the same buffers, at a cost per call a small model's fit feels.
+            return list(values)
         return list(jax.device_put(values, [sharding] * len(values))) if values else []
 
     def reset_metrics(self):
@@ -195,22 +202,42 @@ class TowerSteps:
         return (model.trainable_variables, model.non_trainable_variables,
                 [] if optimizer is None else optimizer.variables)
 
+    def _check_written(self):
+        """Drops the held state when a variable it was written into (`sync`)
+        holds another value now: a callback set it."""
+        if self._written is None:
+            return
+        now = [v.value for variables in self._variable_lists() for v in variables]
+        if len(now) != len(self._written) or any(a is not b for a, b in zip(now, self._written)):
+            self._held = None
+            self._generation += 1
+        # Checked once per sync: the steps' next commit replaces the state.
+        self._written = None
+
     def _current_state(self):
         """What the towers hold, else the model's variables (not kept: the
         user may set them before the next call)."""
+        self._check_written()
         if self._held is not None:
             return self._held
         return tuple(self._replicated([v.value for v in variables])
                      for variables in self._variable_lists())
 
     def sync(self):
-        """Writes what the towers hold into the model's variables; the next
-        step reads the variables again (a callback may have set one)."""
-        if self._held is not None:
-            for variables, values in zip(self._variable_lists(), self._held):
+        """Writes what the towers hold into the model's variables. The next
+        step reads the variables again if a callback set one since."""
+        if self._held is not None and self._written is None:
+            lists = self._variable_lists()
+            for variables, values in zip(lists, self._held):
                 self._write_back(variables, values)
-            self._held = None
-            self._generation += 1
+            if self.launches_ahead():
+                # The steps do not take the held state as their own, so it
+                # may stay theirs while the variables hold it unchanged:
+                # an epoch's end then costs the next step no placement.
+                self._written = [v.value for variables in lists for v in variables]
+            else:
+                self._held = None
+                self._generation += 1
         if self._summed_metrics is not None:
             self._write_back(self.model.metrics_variables, self._summed_metrics)
 
@@ -262,14 +289,15 @@ class TowerSteps:
                                       functools.partial(self._train_steps_body, len(steps)))
         state = (*self._current_state(), self._metric_state())
         if not self.launches_ahead():
-            self._held = None  # donated to the step
-        return LaunchedSteps(steps, data, self.generation, function(state, data))
+            self._held = self._written = None  # donated to the step
+        return LaunchedSteps(steps, data, self.generation(), function(state, data))
 
     def commit(self, launched):
         """Makes the launched steps' outputs the towers' state; returns
         their (logs, flags) as `train_steps` does."""
         (*held, metrics), self._summed_metrics, logs, finite, values = launched.outputs
         self._held, self._tower_metrics = tuple(held), metrics
+        self._written = None
         self.final_logs = self.step_values.final_logs(logs)
         logs = self.step_values.logs(logs, values)
         # Unchecked, nothing waits for the steps: the next call is
@@ -292,11 +320,11 @@ class TowerSteps:
             self._launches_ahead = self.check_finite and not self._spans and size <= limit
         return self._launches_ahead
 
-    @property
     def generation(self):
-        """Counts the times the state was replaced from outside the steps
-        (a sync, whose variables a callback may set; metrics reset or
-        restored): steps launched in an older one started from a stale state."""
+        """Counts the times the state was replaced from outside the steps (a
+        variable a callback set; metrics reset or restored): steps
+        launched in an older one started from a stale state."""
+        self._check_written()
         return self._generation
 
     def test(self, batches):
