@@ -136,3 +136,19 @@ def test_towers_whose_steps_read_their_index_run_as_a_switch_each_its_own():
     jaxpr, result = _towers_run(lambda index, x: x + 10.0 * index, num_towers=3)
     assert "cond[" in jaxpr
     np.testing.assert_array_equal(result, np.arange(6, dtype="float32").reshape(3, 2) + [[0.0], [10.0], [20.0]])
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16", "float16"])
+def test_the_finite_check_sums_first_and_confirms_an_overflowing_sum(dtype):
+    from kerastower.backend.jax.towers import all_finite
+
+    check = jax.jit(all_finite)
+    big = float(jax.numpy.finfo(dtype).max) / 2
+    finite = [jax.numpy.asarray([1.0, 2.0], dtype), jax.numpy.asarray([[big, big, big]], dtype)]
+    assert bool(check(finite))  # its sum overflows; every value is finite
+    for bad in (np.nan, np.inf, -np.inf):
+        values = [finite[0], jax.numpy.asarray([[big, bad, -big]], dtype)]
+        assert not bool(check(values)), bad
+    both_infinities = [jax.numpy.asarray([np.inf, -np.inf], dtype)]  # they sum to NaN
+    assert not bool(check(both_infinities))
+    assert bool(check([jax.numpy.arange(3)]))  # integers are not checked

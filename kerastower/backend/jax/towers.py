@@ -164,9 +164,34 @@ def seeded_apart(values, positions, num_towers):
 
 
 def all_finite(values):
-    """Whether every float value of `values` is finite (one boolean)."""
-    flags = [jnp.all(jnp.isfinite(v)) for v in values if jnp.issubdtype(v.dtype, jnp.inexact)]
-    return jnp.all(jnp.stack(flags)) if flags else jnp.asarray(True)
+    """Whether every float value of `values` is finite (one boolean).
+
+    A sum is NaN or Inf when a term is, and XLA:CPU reduces a sum several
+    times faster than it reduces `isfinite` (a 1024-wide MLP's gradients:
+    0.14 against 0.49 ms on a 2-core VM): the common, finite, case costs
+    the sums only. A sum can also overflow to Inf from huge finite terms,
+    so a sum that is not finite is confirmed value by value.
+    """
+    values = [v for v in values if jnp.issubdtype(v.dtype, jnp.inexact)]
+    if not values:
+        return jnp.asarray(True)
+    sums = jnp.stack([jnp.isfinite(jnp.sum(v, dtype=_sum_dtype(v.dtype))) for v in values])
+
+    def value_by_value():
+        return jnp.all(jnp.stack([jnp.all(jnp.isfinite(v)) for v in values]))
+
+    sums_finite = jnp.all(sums)
+    # The first branch gives the flag itself (True there): inside the towers'
+    # shard_map it is typed as varying over the towers, as the second's is.
+    return jax.lax.cond(sums_finite, lambda: sums_finite, value_by_value)
+
+
+def _sum_dtype(dtype):
+    # Half-precision sums overflow early: summed in float32 (exact either way,
+    # only a false alarm costs the value-by-value pass).
+    if jnp.issubdtype(dtype, jnp.floating) and jnp.finfo(dtype).bits < 32:
+        return jnp.float32
+    return None
 
 
 def first_nonfinite_step(finite):
