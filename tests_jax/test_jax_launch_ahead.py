@@ -134,3 +134,21 @@ def test_a_nonfinite_step_leaves_the_last_finite_state_with_a_call_launched_afte
     assert _launched_ahead(checked)
     _assert_same_weights(checked, unchecked)
     assert int(checked.optimizer.iterations) == int(unchecked.optimizer.iterations) == 12 + 5
+
+
+@pytest.mark.parametrize("check_finite", [True, False])
+def test_later_epochs_and_fits_reuse_the_one_compiled_step(check_finite):
+    from jax_helpers import TowerRecorder
+
+    recorder = TowerRecorder()
+    with kt.distributed("single", devices=[0]):
+        inputs = keras.Input((5,))
+        model = kt.TowerModel(inputs, keras.layers.Dense(2)(recorder(inputs)))
+        model.compile(optimizer="adam", loss="mse", check_finite=check_finite)
+    x, y = _data()
+    for _ in range(3):
+        model.fit(x, y, batch_size=8, epochs=2, verbose=0)
+    # The state the steps give back is placed as the first step's was, so
+    # no later call compiles the step again.
+    assert len([c for c in recorder.contexts if c[2].startswith("tower")]) == 1
+    assert int(model.optimizer.iterations) == 3 * 2 * 12

@@ -133,7 +133,6 @@ class TowerSteps:
         self._stack_metrics = None
         self._spans = spans_processes(mesh)
         self._host_memory = all(d.platform == "cpu" for d in mesh.devices.flat)
-        self._devices = set(mesh.devices.flat)
 
     # -- state ------------------------------------------------------------
 
@@ -143,10 +142,12 @@ class TowerSteps:
         # One device_put for all: JAX's per-call cost is most of a small
         # model's epoch when paid per variable.
         values = [np.asarray(v) if self._spans else v for v in values]
-        if self.num_towers == 1 and all(
-                getattr(getattr(v, "sharding", None), "device_set", None) == self._devices for v in values):
-            # On the one tower's device already: device_put would hand back
-            # the same buffers, at a cost per call a small model's fit feels.
+        if all(getattr(v, "sharding", None) == sharding for v in values):
+            # Placed so already (what the steps gave back, written into the
+            # variables): device_put would hand back the same buffers, at a
+            # cost per call a small model's fit feels. Values placed
+            # otherwise are put, or the step would be compiled again for
+            # their sharding.
             return list(values)
         return list(jax.device_put(values, [sharding] * len(values))) if values else []
 
