@@ -152,3 +152,21 @@ def test_later_epochs_and_fits_reuse_the_one_compiled_step(check_finite):
     # no later call compiles the step again.
     assert len([c for c in recorder.contexts if c[2].startswith("tower")]) == 1
     assert int(model.optimizer.iterations) == 3 * 2 * 12
+
+
+def test_every_call_launched_ahead_is_used_when_no_callback_sets_a_weight():
+    checked, _ = _pair()
+    x, y = _data()
+    checked.fit(x, y, batch_size=8, epochs=1, verbose=0)
+    tower_steps = checked.engine.tower_steps()
+    launches = []
+    launch = tower_steps.launch
+    tower_steps.launch = lambda *args, **kwargs: launches.append(1) or launch(*args, **kwargs)
+
+    class ReadsTheWeights(keras.callbacks.Callback):
+        def on_train_batch_end(self, batch, logs=None):
+            self.model.get_weights()  # a sync: the state stays the steps'
+
+    checked.fit(x, y, batch_size=8, epochs=2, verbose=0, callbacks=[ReadsTheWeights()])
+    # 2 epochs of 12 steps, each launched once: none dropped and run again.
+    assert len(launches) == 24

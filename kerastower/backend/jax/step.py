@@ -78,7 +78,8 @@ def _gradients_taken(optimizer, step_name):
 
 
 # A call launched ahead cannot take the state it starts from as its own
-# (donated), so it writes a new one: the state is held twice meanwhile. On
+# (donated), so it writes a new one: up to three states live at once (the
+# one computed, the one held, the one the variables got at a sync). On
 # accelerators that is memory only; above this size a step takes long
 # enough that the host's work between steps costs little.
 LAUNCH_AHEAD_MAX_BYTES = 1 << 30
@@ -208,8 +209,10 @@ class TowerSteps:
         holds another value now: a callback set it."""
         if self._written is None:
             return
-        now = [v.value for variables in self._variable_lists() for v in variables]
-        if len(now) != len(self._written) or any(a is not b for a, b in zip(now, self._written)):
+        # By list: a layer frozen since moves variables from one to another.
+        now = [[v.value for v in variables] for variables in self._variable_lists()]
+        if [len(values) for values in now] != [len(values) for values in self._written] or any(
+                a is not b for values, written in zip(now, self._written) for a, b in zip(values, written)):
             self._held = None
             self._generation += 1
         # Checked once per sync: the steps' next commit replaces the state.
@@ -235,7 +238,7 @@ class TowerSteps:
                 # The steps do not take the held state as their own, so it
                 # may stay theirs while the variables hold it unchanged:
                 # an epoch's end then costs the next step no placement.
-                self._written = [v.value for variables in lists for v in variables]
+                self._written = [[v.value for v in variables] for variables in lists]
             else:
                 self._held = None
                 self._generation += 1
@@ -299,6 +302,8 @@ class TowerSteps:
         (*held, metrics), self._summed_metrics, logs, finite, values = launched.outputs
         self._held, self._tower_metrics = tuple(held), metrics
         self._written = None
+        # Steps launched before this commit start from an older state.
+        self._generation += 1
         self.final_logs = self.step_values.final_logs(logs)
         logs = self.step_values.logs(logs, values)
         # Unchecked, nothing waits for the steps: the next call is
@@ -322,9 +327,10 @@ class TowerSteps:
         return self._launches_ahead
 
     def generation(self):
-        """Counts the times the state was replaced from outside the steps (a
-        variable a callback set; metrics reset or restored): steps
-        launched in an older one started from a stale state."""
+        """Counts the times the state was replaced: by a commit, or from
+        outside the steps (a variable a callback set; metrics reset or
+        restored). Steps launched in an older one started from a stale
+        state."""
         self._check_written()
         return self._generation
 
