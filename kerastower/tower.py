@@ -166,14 +166,16 @@ def forbid_variable_creation(step_name):
         del next_creator
         name = kwargs.get("name") or "<unnamed>"
         scope = tf.get_current_name_scope()
-        where = f" (name scope '{scope}')" if scope else ""
+        # Inside a Keras layer's call the name scope is the layer's path.
+        layer = f" (by the layer '{scope}', not built before the first step)" if scope else ""
         raise TowerRuleError(
-            f"{step_name} created the variable '{name}'{where} after the "
-            "model was built. Tower rule: every variable must exist before "
-            "the first step, because the step runs once per tower and each "
-            "tower must reuse the same variables. Create layers in __init__ "
-            "(or build()) rather than in call(), and create tf.Variables "
-            "outside train_step. See docs/towers.md, rule 2."
+            f"{step_name} created the variable '{name}'{layer}. Tower rule: every "
+            "variable must exist before the first step, because the step runs once "
+            "per tower and each tower must reuse the same variables. Build that layer "
+            "before fit: create it in __init__ and call it once on a batch or on "
+            "keras.Input (kerastower runs call() on a symbolic batch, building what it "
+            "reaches), or call layer.build(input_shape); create tf.Variables outside "
+            "train_step. See docs/towers.md, rule 2."
         )
 
     with tf.variable_creator_scope(refuse):

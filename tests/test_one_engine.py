@@ -31,7 +31,7 @@ def test_a_step_loss_scaling_skips_still_counts_as_a_global_step():
     assert model.optimizer.iterations.numpy() < 8
 
 
-def test_an_unbuilt_second_optimizer_in_a_custom_step_says_how_to_build_it():
+def test_a_second_optimizer_builds_on_first_use_outside_the_towers():
     class TwoOptimizers(kt.TowerModel):
         def __init__(self):
             super().__init__()
@@ -56,13 +56,41 @@ def test_an_unbuilt_second_optimizer_in_a_custom_step_says_how_to_build_it():
         model = TwoOptimizers()
         model.compile(optimizer="sgd", loss="mse")
         x, y = np.ones((16, 2), "float32"), np.ones((16, 1), "float32")
-        with pytest.raises(kt.TowerRuleError, match="Build it before training"):
-            model.fit(x, y, batch_size=4, verbose=0)
-        model.b_optimizer.build(model.b.trainable_variables)
+        model.fit(x, y, batch_size=4, epochs=1, verbose=0)
         before = model.b.kernel.numpy().copy()
-        model.train_function = None
-        model.fit(x, y, batch_size=4, verbose=0)
-        assert np.abs(model.b.kernel.numpy() - before).max() > 1e-4
+        model.fit(x, y, batch_size=4, epochs=1, verbose=0)
+    # Built once, on the variables its first apply named, as in stock Keras:
+    # SGD has no slots, only its step counter, which counts the 2 x 2 steps.
+    assert model.b_optimizer.built
+    assert [v.path for v in model.b_optimizer._trainable_variables] == [
+        v.path for v in model.b.trainable_variables]
+    assert int(model.b_optimizer.iterations.numpy()) == 4
+    assert np.abs(model.b.kernel.numpy() - before).max() > 1e-4
+
+
+def test_an_unbuilt_optimizer_in_a_step_run_eagerly_says_how_to_build_it():
+    class Eager(kt.TowerModel):
+        def __init__(self):
+            super().__init__()
+            self.a = keras.layers.Dense(1)
+            self.a_optimizer = keras.optimizers.Adam(0.1)
+
+        def call(self, x):
+            return self.a(x)
+
+        def train_step(self, data):
+            x, y = data
+            with tf.GradientTape() as tape:
+                loss = tf.reduce_mean((self(x) - y) ** 2)
+            self.a_optimizer.apply(tape.gradient(loss, self.a.trainable_variables),
+                                   self.a.trainable_variables)
+            return {}
+
+    with kt.distributed("mirrored", devices=TWO):
+        model = Eager()
+        model.compile(optimizer="sgd", loss="mse", run_eagerly=True)
+        with pytest.raises(kt.TowerRuleError, match="run eagerly.*Build it before training"):
+            model.fit(np.ones((16, 2), "float32"), np.ones((16, 1), "float32"), batch_size=4, verbose=0)
 
 
 def test_a_variable_some_towers_do_not_use_is_trained_and_an_unused_one_is_left_alone():

@@ -89,7 +89,7 @@ class PerExampleLoss(kt.TowerModel):
 @pytest.mark.parametrize(
     "model_cls, match",
     [
-        (LayerInCall, r"created the variable '.*' .*made_in_call.*Create layers in __init__"),
+        (LayerInCall, r"created the variable '.*' \(by the layer '.*made_in_call.*'.*Build that layer before fit"),
         (VariableInStep, r"created the variable 'step_counter'.*tf.Variables"),
         (PerExampleLoss, r"loss must be a scalar; got a tensor of shape \(None,\)|\(4,\)"),
     ],

@@ -37,7 +37,7 @@ import re
 from kerastower import _compat
 from kerastower.checkpoint.training_state import training_optimizers
 
-__all__ = ["keyed_variables"]
+__all__ = ["keyed_variables", "slotted_variables"]
 
 _NUMBERED = re.compile(r"^(.*?)(?:_(\d+))?$")
 
@@ -117,3 +117,26 @@ def keyed_variables(model):
         seen[key] = seen.get(key, 0) + 1
         keyed.append((key if seen[key] == 1 else f"{key}#{seen[key]}", path, variable))
     return keyed
+
+
+def slotted_variables(model, saved_keys):
+    """[(optimizer, model variables)] for each optimizer of `model` not yet
+    built (it builds on first use) that has slots under `saved_keys` (a
+    checkpoint's keys): the model's trainable variables those slots are
+    keyed by, in `model.variables` order. Building each optimizer on its
+    variables before a restore makes its slots exist to restore into."""
+    by_rest = {}
+    for key, _, variable in keyed_variables(model):
+        if key.startswith("model/") and variable.trainable:
+            by_rest[key[len("model/"):]] = variable
+    found = []
+    for attribute, optimizer in _optimizer_attributes(model):
+        if optimizer.built:
+            continue
+        # <attribute>/<optimizer's scope>/<model key less "model/">/<slot>
+        named = {key.split("/", 2)[2].rpartition("/")[0]
+                 for key in saved_keys if key.startswith(attribute + "/") and key.count("/") >= 3}
+        variables = [v for rest, v in by_rest.items() if rest in named]
+        if variables:
+            found.append((optimizer, variables))
+    return found

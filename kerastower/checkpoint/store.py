@@ -14,6 +14,7 @@ from kerastower.checkpoint import files as checkpoint_files
 from kerastower.checkpoint import variables as checkpoint_variables
 from kerastower.checkpoint.files import DamagedCheckpointError
 from kerastower.checkpoint.keys import keyed_variables
+from kerastower.checkpoint.keys import slotted_variables
 from kerastower.checkpoint.places import variable_places
 from kerastower.errors import KerasTowerError
 
@@ -368,6 +369,16 @@ def _beyond(value, dtype):
     return None
 
 
+def _build_optimizers_with_slots(manifest, model):
+    """Builds each optimizer that builds on first use (a GAN's) and has
+    slots in the checkpoint, on the variables they belong to, so that a
+    resume restores them before the first step."""
+    saved_keys = [v["key"] for v in manifest["variables"]]
+    for optimizer, variables in slotted_variables(model, saved_keys):
+        with model.tower_strategy.scope():
+            optimizer.build(variables)
+
+
 def read_checkpoint(path, model, allow_partial=False):
     """Restores the model and its optimizers from the checkpoint at `path`,
     matching variables by key; returns its state dict.
@@ -397,6 +408,7 @@ def read_checkpoint(path, model, allow_partial=False):
     manifest = checkpoint_files.verify(path)
     with open(os.path.join(path, checkpoint_files.STATE)) as f:
         state = json.load(f)
+    _build_optimizers_with_slots(manifest, model)
     keyed, places = keyed_variables(model), variable_places(model)
     restorable, missing, unexpected, reshaped = _match(manifest, keyed)
     moved = _moved(manifest, restorable, places)

@@ -15,6 +15,7 @@ import keras
 import numpy as np
 
 from kerastower import _compat
+from kerastower.backend import building
 from kerastower.backend.engine import Feed
 from kerastower.backend.engine import StepEngine
 from kerastower.backend.engine import StepRun
@@ -96,6 +97,7 @@ class JaxEngine(StepEngine):
         if not with_targets:
             return
         model = self.model
+        building.mark_built_by_parts(model)
         unbuilt = (not all(layer.built for layer in _compat.flatten_layers(model))
                    or any(not getattr(getattr(model, name, None), "built", True)
                           for name in ("_compile_metrics", "_compile_loss")))

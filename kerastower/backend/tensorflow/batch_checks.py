@@ -18,6 +18,7 @@ import keras
 
 from kerastower._tf import tf
 from kerastower import _compat
+from kerastower.backend import building
 from kerastower.errors import DataMismatchError
 from kerastower.errors import KerasTowerError
 
@@ -284,6 +285,7 @@ def build_for(model, source, with_targets=True, step=None):
     batches fit it (see `checked_build`)."""
     step = step or ("train" if with_targets else "predict")
     spec = source.element_spec(model.num_towers)
+    building.mark_built_by_parts(model)
     with model.tower_strategy.scope(), checked_build(model, step, spec):
         if with_targets:
             _compat.symbolic_build(model, spec)

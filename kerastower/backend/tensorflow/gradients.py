@@ -104,6 +104,39 @@ def _example_weighted_sum(ctx, gradients, variables, key):
     return [_divided(r, total) for r in reduced], weighted
 
 
+class OptimizerFirstUse(Exception):
+    """Raised while a step is traced, where an optimizer is first used inside
+    a tower (noted in `_first_uses`): the caller builds it outside the
+    towers, on the variables it was asked to update (`build_first_used`),
+    and traces the step again. So every optimizer builds on first use, as
+    in stock Keras, with its slots made once, not once per tower
+    (step.py, `traced`). The note lives beside the exception because
+    autograph re-raises an exception as a copy made from its message."""
+
+
+# (optimizer, variables, strategy) of each optimizer first used in the
+# trace being made; the trace is synchronous, so one list serves.
+_first_uses = []
+
+
+def _note_first_use(optimizer, variables, strategy):
+    if all(optimizer is not noted for noted, _, _ in _first_uses):
+        _first_uses.append((optimizer, list(variables), strategy))
+    raise OptimizerFirstUse(f"the optimizer {optimizer.name!r} is used for the first time")
+
+
+def build_first_used():
+    """Builds, outside the towers, every optimizer the last trace used for
+    the first time; returns whether there was any."""
+    noted = list(_first_uses)
+    _first_uses.clear()
+    for optimizer, variables, strategy in noted:
+        if not optimizer.built:
+            with strategy.scope():
+                optimizer.build(variables)
+    return bool(noted)
+
+
 def apply_in_tower(optimizer, keras_apply, gradients, variables=None):
     """`optimizer.apply` inside a training tower: reduce, then Keras's apply.
 
@@ -111,13 +144,15 @@ def apply_in_tower(optimizer, keras_apply, gradients, variables=None):
     """
     ctx = get_current_tower_context()
     if not optimizer.built:
+        if variables is not None and tf.inside_function():
+            _note_first_use(optimizer, variables, ctx.strategy)
         raise TowerRuleError(
-            f"The optimizer {optimizer.name!r} was first used inside a tower step, "
-            "where it would create its slot variables once per tower. Build it "
-            "before training, on the variables it updates: e.g. after compile(), "
-            "`second_optimizer.build(model.<part>.trainable_variables)`, or in "
-            "your model's compile() override. (The compiled `optimizer` is built "
-            "by fit and kt.Trainer on the model's trainable variables.)"
+            f"The optimizer {optimizer.name!r} was first used inside a tower step "
+            + ("run eagerly, " if variables is not None else "without the variables it updates, ")
+            + "where it would create its slot variables once per tower. Build it before "
+            "training, on the variables it updates: e.g. after compile(), "
+            "`second_optimizer.build(model.<part>.trainable_variables)`. (A compiled "
+            "step builds each optimizer outside the towers on its first use.)"
         )
     variables = list(_compat.optimizer_variables(optimizer) if variables is None else variables)
     gradients = list(gradients)

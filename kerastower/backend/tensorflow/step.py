@@ -422,9 +422,21 @@ def _call(function, iterator, num_steps, endless):
     key = (function, num_steps.ref(), endless)
     call = calls.get(key)
     if call is None:
-        concrete = function.get_concrete_function(iterator, num_steps, endless)
+        concrete = traced(function, iterator, num_steps, endless)
         call = calls[key] = _compat.bound_call(concrete, (iterator, num_steps, endless))
     return call()
+
+
+def traced(function, *args):
+    """`function.get_concrete_function(*args)`, building every optimizer
+    the step uses for the first time outside the towers, then tracing the
+    step again (gradients.OptimizerFirstUse)."""
+    while True:
+        try:
+            return function.get_concrete_function(*args)
+        except gradients.OptimizerFirstUse:
+            if not gradients.build_first_used():
+                raise
 
 
 @functools.lru_cache(maxsize=64)
