@@ -1,0 +1,113 @@
+"""keras.io's programs with only their base class changed (issue 31).
+
+Each program of keras_io_programs.py runs three times from the same seed:
+as written (`keras.Model`, stock Keras on one device), with
+`kt.TowerModel` on one tower, and with `kt.TowerModel` on two towers at
+half the batch. One tower must log what stock Keras logs (the same keys,
+values within 1e-6) and end with the same weights; two towers must train,
+and where the program draws no random numbers, equal one tower on the
+joined batches within 1e-5.
+"""
+
+import keras
+import numpy as np
+import pytest
+
+import kerastower as kt
+from conftest import TWO
+from keras_io_programs import PROGRAMS
+
+BATCH = 8
+
+
+def _run(program, base, strategy=None, devices=None, batch_size=BATCH):
+    keras.utils.set_random_seed(0)
+    if strategy is None:
+        made = program(base)
+        history = made.fit(made.model, batch_size)
+        evaluated = made.evaluate(made.model, batch_size) if made.evaluate else None
+    else:
+        with kt.distributed(strategy, devices=devices):
+            made = program(base)
+            history = made.fit(made.model, batch_size)
+            evaluated = made.evaluate(made.model, batch_size) if made.evaluate else None
+    weights = [w.numpy() for w in made.model.weights]
+    return made, history.history, weights, evaluated
+
+
+def _assert_logs_equal(got, want, atol, what):
+    assert sorted(got) == sorted(want), f"{what}: logged {sorted(got)}, expected {sorted(want)}"
+    for key in want:
+        np.testing.assert_allclose(got[key], want[key], rtol=atol, atol=atol, err_msg=f"{what}: {key}")
+
+
+@pytest.mark.parametrize("name", sorted(PROGRAMS))
+def test_keras_io_program_with_its_base_class_changed(name):
+    program = PROGRAMS[name]
+    stock, stock_logs, stock_weights, stock_eval = _run(program, keras.Model)
+    tower, tower_logs, tower_weights, tower_eval = _run(program, kt.TowerModel, "single")
+    assert isinstance(tower.model, kt.TowerModel) and not isinstance(stock.model, kt.TowerModel)
+
+    # One tower is stock Keras: the same history, the same weights.
+    _assert_logs_equal(tower_logs, stock_logs, 1e-6, f"{name}, 1 tower against stock Keras")
+    assert len(tower_weights) == len(stock_weights)
+    for got, want in zip(tower_weights, stock_weights):
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6, err_msg=name)
+    if stock_eval is not None:
+        _assert_logs_equal(tower_eval, stock_eval, 1e-6, f"{name}, evaluate")
+    trained = [w for w in stock.model.trainable_weights]
+    assert trained and any(np.abs(w.numpy()).sum() > 0 for w in trained)
+
+    # Two towers at half the batch: the same steps on the joined batches.
+    two, two_logs, two_weights, two_eval = _run(program, kt.TowerModel, "mirrored", TWO, BATCH // 2)
+    assert sorted(two_logs) == sorted(stock_logs)
+    assert all(np.isfinite(v).all() for v in two_logs.values()), two_logs
+    if stock.deterministic:
+        _assert_logs_equal(two_logs, tower_logs, 1e-5, f"{name}, 2 towers against 1")
+        for got, want in zip(two_weights, tower_weights):
+            np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5, err_msg=name)
+        if two_eval is not None:
+            _assert_logs_equal(two_eval, tower_eval, 1e-5, f"{name}, evaluate on 2 towers")
+
+
+def test_optimizers_built_on_first_use_are_checkpointed_and_resumed(tmp_path):
+    """The CycleGAN's four optimizers build on first use; a run stopped
+    after one epoch and resumed from its checkpoint ends where an
+    uninterrupted run does."""
+    program = PROGRAMS["cyclegan"]
+
+    def train(epochs, callbacks=()):
+        keras.utils.set_random_seed(0)
+        with kt.distributed("mirrored", devices=TWO):
+            made = program(kt.TowerModel)
+            history = made.fit(made.model, BATCH // 2, epochs=epochs, callbacks=list(callbacks))
+        return made.model, history
+
+    whole, _ = train(3)
+    folder = str(tmp_path / "ckpt")
+    first, _ = train(1, [kt.callbacks.ModelSaver(folder)])
+    assert all(o.built for o in (first.gen_G_optimizer, first.disc_Y_optimizer))
+    resumed, history = train(3, [kt.callbacks.ModelSaver(folder), kt.callbacks.AutoResume(folder)])
+    assert len(history.history["G_loss"]) == 2   # epochs 2 and 3
+    for optimizer in ("gen_G_optimizer", "gen_F_optimizer", "disc_X_optimizer", "disc_Y_optimizer"):
+        got, want = getattr(resumed, optimizer), getattr(whole, optimizer)
+        assert int(got.iterations.numpy()) == int(want.iterations.numpy()) == 12
+        for a, b in zip(got.variables, want.variables):
+            np.testing.assert_allclose(a.numpy(), b.numpy(), atol=1e-6, err_msg=a.path)
+    for a, b in zip(resumed.weights, whole.weights):
+        np.testing.assert_allclose(a.numpy(), b.numpy(), atol=1e-6, err_msg=a.path)
+
+
+def test_a_model_without_call_and_an_unbuilt_part_says_which_layer():
+    class Unbuilt(kt.TowerModel):
+        def __init__(self):
+            super().__init__()
+            self.encoder = keras.layers.Dense(2, name="never_built")
+
+        def train_step(self, data):
+            return {}
+
+    model = Unbuilt()
+    model.compile(optimizer="adam")
+    with pytest.raises(kt.TowerRuleError, match=r"no call\(\).*'never_built' \(Dense\).*layer.build"):
+        model.fit(np.ones((8, 3), "float32"), batch_size=4, verbose=0)
