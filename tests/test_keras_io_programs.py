@@ -70,6 +70,42 @@ def test_keras_io_program_with_its_base_class_changed(name):
             _assert_logs_equal(two_eval, tower_eval, 1e-5, f"{name}, evaluate on 2 towers")
 
 
+@pytest.mark.parametrize("shuffle", [True, "batch"])
+def test_seeded_shuffle_and_validation_split_give_stock_keras_numbers(shuffle):
+    """With `keras.utils.set_random_seed`, `fit(x, y)` reads the arrays in
+    stock Keras's order on one tower (shuffled, or within batches), splits
+    off the same validation rows, and starts from the same weights; two
+    towers at half the batch read the joined batches in that order."""
+    rng = np.random.default_rng(1)
+    x = rng.normal(size=(40, 5)).astype("float32")
+    y = (x @ rng.normal(size=(5, 1)) + 0.1 * rng.normal(size=(40, 1))).astype("float32")
+
+    def run(base, devices=None, batch_size=8):
+        keras.utils.set_random_seed(0)
+        with kt.distributed("mirrored", devices=devices or TWO[:1]):
+            inputs = keras.Input((5,))
+            model = base(inputs, keras.layers.Dense(1)(keras.layers.Dense(4, activation="tanh")(inputs)))
+            model.compile(optimizer=keras.optimizers.SGD(0.1), loss="mse", metrics=["mae"])
+            history = model.fit(x, y, batch_size=batch_size, epochs=3, shuffle=shuffle,
+                                validation_split=0.25, verbose=0)
+        return history.history, [w.numpy() for w in model.weights]
+
+    keras.utils.set_random_seed(0)
+    inputs = keras.Input((5,))
+    stock = keras.Model(inputs, keras.layers.Dense(1)(keras.layers.Dense(4, activation="tanh")(inputs)))
+    stock.compile(optimizer=keras.optimizers.SGD(0.1), loss="mse", metrics=["mae"])
+    stock_logs = stock.fit(x, y, batch_size=8, epochs=3, shuffle=shuffle, validation_split=0.25,
+                           verbose=0).history
+    one_logs, one_weights = run(kt.TowerModel)
+    _assert_logs_equal(one_logs, stock_logs, 1e-6, f"shuffle={shuffle!r}, 1 tower against stock Keras")
+    for got, want in zip(one_weights, stock.weights):
+        np.testing.assert_allclose(got, want.numpy(), rtol=1e-6, atol=1e-6)
+    two_logs, two_weights = run(kt.TowerModel, TWO, batch_size=4)
+    _assert_logs_equal(two_logs, one_logs, 1e-5, f"shuffle={shuffle!r}, 2 towers against 1")
+    for got, want in zip(two_weights, one_weights):
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+
+
 def test_optimizers_built_on_first_use_are_checkpointed_and_resumed(tmp_path):
     """The CycleGAN's four optimizers build on first use; a run stopped
     after one epoch and resumed from its checkpoint ends where an

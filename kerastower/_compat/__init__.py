@@ -56,6 +56,23 @@ def unpack_x_y_sample_weight(data):
     return fn(data)
 
 
+def keras_random_seed():
+    """The seed `keras.utils.set_random_seed` set last, else None."""
+    get = require("keras.src.backend.common.global_state", "get_global_attribute")
+    return get(require("keras.src.utils.rng_utils", "GLOBAL_RANDOM_SEED"))
+
+
+def keras_array_batches(length, batch_size, shuffle):
+    """Keras's own tf.data pipeline of `fit(x)` over the arrays of
+    `length` examples (its ArrayDataAdapter), fed the row indices: each
+    element is one batch of the rows Keras reads, in its order."""
+    adapter = require("keras.src.trainers.data_adapters.array_data_adapter", "ArrayDataAdapter")
+    import numpy as np
+
+    return adapter(np.arange(length, dtype=np.int64), batch_size=batch_size,
+                   shuffle=shuffle).get_tf_dataset()
+
+
 def class_weight_to_sample_weights(y, class_weight):
     fn = require("keras.src.trainers.data_adapters.data_adapter_utils",
                  "class_weight_to_sample_weights")

@@ -30,25 +30,48 @@ class ArrayRows:
     Args:
         length: the number of examples (rows) in the arrays.
         batch_size: rows in one tower's batch.
-        shuffle: True reorders the examples every pass.
-        seed: the shuffle's seed; None draws one from numpy's global
-            generator (which `keras.utils.set_random_seed` seeds), so a
-            seeded run is replayable. Processes that read the same arrays
-            must agree on it (`seed` can be set, e.g. to the chief's).
+        shuffle: True reorders the examples every pass; "batch" too (it
+            reorders only within batches where Keras's order is followed,
+            see `pass_order`).
+        seed: the shuffle's seed; None draws one, when first needed, from
+            numpy's global generator (which `keras.utils.set_random_seed`
+            seeds), so a seeded run is replayable. Processes that read the
+            same arrays must agree on it (`seed` can be set, e.g. to the
+            chief's).
+
+    Attributes:
+        pass_order: None, or a function of a pass's index giving its order,
+            which then replaces the seeded one: the engine sets Keras's own
+            order there (that of stock `fit` with the same seed), where one
+            process reads the arrays and `keras.utils.set_random_seed` was
+            called.
     """
 
     def __init__(self, length, batch_size, shuffle=False, seed=None):
         self.length = int(length)
         self.batch_size = int(batch_size)
-        self.shuffle = bool(shuffle)
-        if seed is None and self.shuffle:
-            seed = int(np.random.randint(2**31 - 1))
-        self.seed = seed
+        self.shuffle = "batch" if isinstance(shuffle, str) and shuffle == "batch" else bool(shuffle)
+        self._seed = seed
+        self.pass_order = None
+
+    @property
+    def seed(self):
+        """The seed of the passes' orders (drawn when first read; None
+        without shuffle or where `pass_order` decides)."""
+        if self._seed is None and self.shuffle and self.pass_order is None:
+            self._seed = int(np.random.randint(2**31 - 1))
+        return self._seed
+
+    @seed.setter
+    def seed(self, seed):
+        self._seed = seed
 
     def order(self, pass_index):
         """The example indices (int64) in the order pass `pass_index` reads them."""
         if not self.shuffle:
             return np.arange(self.length, dtype=np.int64)
+        if self.pass_order is not None:
+            return np.asarray(self.pass_order(int(pass_index)), dtype=np.int64)
         rng = np.random.default_rng([int(self.seed), int(pass_index)])
         return rng.permutation(self.length).astype(np.int64)
 

@@ -14,6 +14,7 @@ import numpy as np
 import tensorflow as tf
 
 from kerastower.errors import InputSourceError
+from kerastower.inputs import keras_order
 from kerastower.inputs.array_rows import ArrayRows
 from kerastower.inputs.sources import DatasetInput
 
@@ -183,6 +184,8 @@ class ArrayInput(DatasetInput):
         `repeat`) on `strategy`'s towers, less the batches each tower took
         before (`skip_batches`)."""
         if self.rows.shuffle:
+            keras_order.follow_keras(self.rows, strategy)
+        if self.rows.shuffle and self.rows.pass_order is None:
             # Every process must shuffle alike before taking its shard, or
             # the shards would overlap: the chief's seed wins.
             self.rows.seed = strategy.broadcast_object(self.rows.seed)
