@@ -9,9 +9,9 @@ seed as written (`keras.Model`, stock Keras-JAX), with `kt.TowerModel` on
 one tower (the same logs within 1e-6, the same weights) and on two towers
 at half the batch (the same as one tower on the joined batches, 1e-5).
 
-The arrays are read in order (`shuffle=False`): stock Keras-JAX shuffles
-with numpy's global generator, one permutation per epoch, which
-kerastower's JAX feed does not follow yet (on TensorFlow it does).
+The arrays are shuffled (Keras's default) from the test's seed: with
+`keras.utils.set_random_seed`, one tower reads them in stock Keras-JAX's
+order, and two towers read the joined batches in it.
 """
 
 import jax
@@ -180,7 +180,7 @@ def _run(program, base, strategy=None, devices=None, batch_size=BATCH):
 
     def train():
         model, data = program(base)
-        history = model.fit(*data, batch_size=batch_size, epochs=2, shuffle=False, verbose=0)
+        history = model.fit(*data, batch_size=batch_size, epochs=2, verbose=0)
         # keras.io's programs that change compute_loss_and_updates's
         # signature cannot run Keras's own test_step: only the one with its
         # own evaluation step evaluates.
@@ -218,3 +218,44 @@ def test_jax_keras_io_program_with_its_base_class_changed(name):
     _assert_logs_equal(two_eval, one_eval, 1e-5, f"{name}, evaluate, 2 towers against 1")
     for got, want in zip(two_weights, one_weights):
         np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5, err_msg=name)
+
+
+@pytest.mark.parametrize("shuffle", [True, "batch"])
+def test_seeded_shuffle_and_validation_split_give_stock_keras_jax_numbers(shuffle):
+    """With `keras.utils.set_random_seed`, `fit(x, y)` on JAX reads the
+    arrays in stock Keras-JAX's order (numpy's generator, drawn per epoch
+    and once for the build), splits off the same validation rows, and
+    leaves numpy's generator where stock Keras does; two towers at half
+    the batch read the joined batches in that order. Two fits in a row
+    check that the second starts from the generator the first left."""
+
+    def run(base, strategy=None, devices=None, batch_size=8):
+        keras.utils.set_random_seed(0)
+
+        def train():
+            inputs = keras.Input((6,))
+            model = base(inputs, keras.layers.Dense(1)(keras.layers.Dense(4, activation="tanh")(inputs)))
+            model.compile(optimizer=keras.optimizers.SGD(0.1), loss="mse", metrics=["mae"])
+            logs = []
+            for _ in range(2):
+                logs.append(model.fit(X, Y, batch_size=batch_size, epochs=2, shuffle=shuffle,
+                                      validation_split=0.25, verbose=0).history)
+            return logs, [np.asarray(w.numpy()) for w in model.weights], np.random.randint(2**31)
+
+        if strategy is None:
+            return train()
+        with kt.distributed(strategy, devices=devices):
+            return train()
+
+    stock_logs, stock_weights, stock_next = run(keras.Model)
+    one_logs, one_weights, one_next = run(kt.TowerModel, "single")
+    for got, want in zip(one_logs, stock_logs):
+        _assert_logs_equal(got, want, 1e-6, f"shuffle={shuffle!r}, 1 tower against stock Keras-JAX")
+    for got, want in zip(one_weights, stock_weights):
+        np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-6)
+    assert one_next == stock_next, "numpy's generator is not where stock Keras leaves it"
+    two_logs, two_weights, _ = run(kt.TowerModel, "mirrored", jax.devices()[:2], batch_size=4)
+    for got, want in zip(two_logs, one_logs):
+        _assert_logs_equal(got, want, 1e-5, f"shuffle={shuffle!r}, 2 towers against 1")
+    for got, want in zip(two_weights, one_weights):
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)

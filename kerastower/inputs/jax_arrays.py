@@ -87,6 +87,9 @@ class ArrayBatches:
 
     def first_batch(self):
         """Tower 0's first batch (what the model is built from)."""
+        peek = getattr(self.rows.pass_order, "peek", None)
+        if peek is not None:  # Keras's fit draws for the batch it builds from
+            peek()
         return self._take(np.arange(min(self.batch_size, self.length)))
 
     def _take(self, indices):

@@ -3,7 +3,10 @@
 `keras.utils.set_random_seed(s)` makes stock Keras's `fit(x, y)` read the
 arrays in an order fixed by the seed: on TensorFlow, its array adapter
 shuffles the row indices with `tf.random.shuffle` inside its tf.data
-pipeline (`shuffle=True`: the whole pass; `"batch"`: within each batch).
+pipeline (`shuffle=True`: the whole pass; `"batch"`: within each batch);
+on JAX, it draws them from numpy's global generator, one permutation each
+time an epoch's iterator starts (and one more when fit first reads a batch
+to build the model), `NumpyPassOrder`.
 A user who switches to kerastower with the same seed must get the same
 numbers on one tower, so where one process reads the arrays and that seed
 was set, each pass's order is the one Keras's own pipeline gives, read
@@ -32,7 +35,7 @@ import numpy as np
 
 from kerastower import _compat
 
-__all__ = ["KerasPassOrder", "follow_keras"]
+__all__ = ["KerasPassOrder", "NumpyPassOrder", "follow_keras", "follow_keras_on_jax"]
 
 
 class KerasPassOrder:
@@ -70,3 +73,63 @@ def follow_keras(rows, strategy):
     key = (rows.length, rows.batch_size * strategy.num_towers, rows.shuffle)
     if getattr(rows.pass_order, "key", None) != key:
         rows.pass_order = KerasPassOrder(*key)
+
+
+class NumpyPassOrder:
+    """Stock Keras-JAX's order: each pass draws from numpy's global
+    generator what Keras's array iterator draws when an epoch starts
+    (`shuffle=True`: a permutation of the rows; `"batch"`: one of each
+    batch's rows, batch after batch), pass after pass, so numpy's generator
+    also ends where stock Keras leaves it. `peek` draws what Keras's
+    iterator draws for the one batch its fit reads to build the model.
+
+    A pass asked for again replays the draws from the generator's state when
+    the order was made (fit's start); a run resumed in a new process that
+    seeded numpy alike draws its passes as the first run did."""
+
+    def __init__(self, length, joined_batch, shuffle):
+        self.key = (int(length), int(joined_batch), shuffle)
+        self._start = np.random.get_state()
+        self._peeked = False
+        self._drawn = -1      # the last pass drawn from the global generator
+        self._kept = {}
+
+    def _draw(self, generator, first_batch_only=False):
+        length, batch, shuffle = self.key
+        if shuffle != "batch":
+            return generator.permutation(length).astype(np.int64)
+        starts = range(0, min(batch, length) if first_batch_only else length, batch)
+        return np.concatenate([generator.permutation(min(start + batch, length) - start) + start
+                               for start in starts]).astype(np.int64)
+
+    def peek(self):
+        """Draws what Keras's fit draws for the batch it builds the model from."""
+        if not self._peeked and self._drawn == -1:
+            self._draw(np.random, first_batch_only=True)
+            self._peeked = True
+
+    def __call__(self, pass_index):
+        if pass_index in self._kept:
+            return self._kept[pass_index]
+        if pass_index < self._drawn:
+            replay = np.random.RandomState()
+            replay.set_state(self._start)
+            if self._peeked:
+                self._draw(replay, first_batch_only=True)
+            for _ in range(pass_index):
+                self._draw(replay)
+            return self._draw(replay)
+        while self._drawn < pass_index:
+            order = self._draw(np.random)
+            self._drawn += 1
+            self._kept = {self._drawn: order}
+        return self._kept[pass_index]
+
+
+def follow_keras_on_jax(rows, strategy):
+    """As `follow_keras`, with stock Keras-JAX's order (`NumpyPassOrder`),
+    made when fit begins."""
+    if not rows.shuffle or not strategy.single_process or _compat.keras_random_seed() is None:
+        rows.pass_order = None
+        return
+    rows.pass_order = NumpyPassOrder(rows.length, rows.batch_size * strategy.num_towers, rows.shuffle)

@@ -16,6 +16,7 @@ import numpy as np
 
 from kerastower import _compat
 from kerastower.backend import building
+from kerastower.inputs import keras_order
 from kerastower.backend.engine import Feed
 from kerastower.backend.engine import StepEngine
 from kerastower.backend.engine import StepRun
@@ -75,6 +76,8 @@ class JaxEngine(StepEngine):
                      repeat=False, method="fit", steps=None):
         source = jax_sources.tower_batches(x, y, sample_weight, batch_size, shuffle)
         source.repeated = bool(repeat)
+        if method == "fit" and getattr(source, "rows", None) is not None:
+            keras_order.follow_keras_on_jax(source.rows, self.model.tower_strategy)
         if getattr(source, "shuffle_seed", None) is not None:
             source.shuffle_seed = self.model.tower_strategy.agree_on_seed(source.shuffle_seed)
         if not steps:
