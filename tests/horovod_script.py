@@ -113,6 +113,26 @@ def assert_trainers_equal_one_process(weights_file):
         np.testing.assert_allclose(saved[key], weight, atol=1e-5)
 
 
+def optimizers_built_on_first_use_resume(out):
+    from keras_io_programs import program_cyclegan
+
+    def run(epochs, callbacks=()):
+        keras.utils.set_random_seed(0)
+        made = program_cyclegan(kt.TowerModel)
+        made.fit(made.model, 4, epochs=epochs, callbacks=list(callbacks))
+        return made.model
+
+    folder = os.path.join(out, "ckpt_first_use")
+    run(1, [kt.callbacks.ModelSaver(folder)])
+    resumed = run(3, [kt.callbacks.AutoResume(folder), kt.callbacks.ModelSaver(folder)])
+    straight = run(3)
+    optimizers = ("gen_G_optimizer", "gen_F_optimizer", "disc_X_optimizer", "disc_Y_optimizer")
+    return all(np.array_equal(a.numpy(), b.numpy()) for a, b in zip(resumed.weights, straight.weights)) and all(
+        np.array_equal(a.numpy(), b.numpy())
+        for name in optimizers
+        for a, b in zip(getattr(resumed, name).variables, getattr(straight, name).variables))
+
+
 def train(out):
     strategy = kt.distributed("horovod")
     with strategy as tower_strategy:
@@ -169,6 +189,11 @@ def train(out):
 
         # 6. A NaN in rank 1's second batch stops both ranks at step 2.
         results["nonfinite"] = fit_with_a_nan_on_rank_1(rank)
+
+        # 7. keras.io's CycleGAN, base class changed: its four optimizers
+        # build on first use, and a resume (the chief reads the checkpoint)
+        # ends where an uninterrupted run does.
+        results["first_use_resume_equal"] = optimizers_built_on_first_use_resume(out)
     with open(os.path.join(out, f"results_rank{rank}.json"), "w") as f:
         json.dump(results, f)
 

@@ -95,6 +95,14 @@ def test_only_rank_0_writes_logs_and_checkpoints(trained):
     assert not (out / "logs_rank1").exists() and not (out / "ckpt_rank1").exists()
 
 
+def test_optimizers_built_on_first_use_resume_under_horovod(trained):
+    """keras.io's CycleGAN on 2 ranks: the chief's restore builds its four
+    optimizers from the checkpoint's slots, the other rank builds the same,
+    and the resumed run equals the uninterrupted one on both ranks."""
+    _, (r0, r1) = trained
+    assert r0["first_use_resume_equal"] and r1["first_use_resume_equal"]
+
+
 def test_auto_resume_under_horovod(trained):
     _, (r0, r1) = trained
     # Only the chief reads the checkpoint; its variables and resume state

@@ -37,7 +37,7 @@ import re
 from kerastower import _compat
 from kerastower.checkpoint.training_state import training_optimizers
 
-__all__ = ["keyed_variables", "slotted_variables"]
+__all__ = ["keyed_variables", "slotted_variables", "optimizer_builds", "build_optimizers"]
 
 _NUMBERED = re.compile(r"^(.*?)(?:_(\d+))?$")
 
@@ -140,3 +140,24 @@ def slotted_variables(model, saved_keys):
         if variables:
             found.append((optimizer, variables))
     return found
+
+
+def optimizer_builds(model):
+    """{attribute: [model variable keys]}: what each built optimizer of
+    `model` was built on, by checkpoint key (the same in every process)."""
+    keys = {id(variable): key for key, _, variable in keyed_variables(model) if key.startswith("model/")}
+    return {attribute: [keys[id(v)] for v in _compat.optimizer_variables(optimizer) if id(v) in keys]
+            for attribute, optimizer in _optimizer_attributes(model) if optimizer.built}
+
+
+def build_optimizers(model, builds, scope):
+    """Builds, inside `scope()`, each optimizer of `model` not yet built
+    that `builds` (another process's `optimizer_builds`) names, on the
+    variables it names: every process then holds the same optimizer
+    variables (a resume built on the chief the optimizers that build on
+    first use)."""
+    by_key = {key: variable for key, _, variable in keyed_variables(model)}
+    for attribute, optimizer in _optimizer_attributes(model):
+        if not optimizer.built and builds.get(attribute):
+            with scope():
+                optimizer.build([by_key[key] for key in builds[attribute]])

@@ -26,6 +26,7 @@ import keras
 
 from kerastower import _compat
 from kerastower.callbacks.base import unwrapped
+from kerastower.checkpoint import keys as checkpoint_keys
 from kerastower.checkpoint.folder_lock import FolderLock
 from kerastower.checkpoint.folder_lock import FolderLockedError
 from kerastower.checkpoint.resume_state import ResumeState
@@ -105,6 +106,12 @@ class Resumption:
                 state = restore() or state
                 self.training_run.restored_from = getattr(unwrapped(callback), "restored_from", None)
         state = self.strategy.broadcast_object(None if state is None else state.to_dict())
+        if not self.strategy.single_process:
+            # The chief's restore built the optimizers that build on first
+            # use; every process builds the same before the state is shared.
+            builds = self.strategy.broadcast_object(
+                checkpoint_keys.optimizer_builds(self.model) if self.strategy.is_chief else None)
+            checkpoint_keys.build_optimizers(self.model, builds, self.model.tower_strategy.scope)
         self.strategy.sync_initial_state(self.model)
         self.strategy.seed_towers_apart(self.model)
         if state is None:
