@@ -19,6 +19,7 @@ on one must resume on the other.
 import json
 import os
 import sys
+import warnings
 
 
 class RefuseTensorFlow:
@@ -26,6 +27,9 @@ class RefuseTensorFlow:
         if name.split(".")[0] == "tensorflow":
             raise ImportError(f"this run forbids importing {name}")
 
+
+# --keras-seed: keras.utils.set_random_seed before each fit, not numpy's seed.
+KERAS_SEED = "--keras-seed" in sys.argv
 
 if "--refuse-tensorflow" in sys.argv:
     sys.meta_path.insert(0, RefuseTensorFlow())
@@ -98,8 +102,13 @@ def phase(towers, epochs, ckpt_dir):
         resume = kt.callbacks.AutoResume(ckpt_dir) if ckpt_dir else None
         saver = kt.callbacks.ModelSaver(ckpt_dir) if ckpt_dir else None
         callbacks = [c for c in (resume, saver, begun) if c is not None]
-        np.random.seed(7)  # the shuffle's seed is drawn from numpy's generator
-        model.fit(x, y, batch_size=4, epochs=epochs, shuffle=True, verbose=0, callbacks=callbacks)
+        if KERAS_SEED:  # stock Keras's order on this backend (inputs/keras_order.py)
+            keras.utils.set_random_seed(7)
+        else:
+            np.random.seed(7)  # the shuffle's seed is drawn from numpy's generator
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            model.fit(x, y, batch_size=4, epochs=epochs, shuffle=True, verbose=0, callbacks=callbacks)
     integers = {key: str(np.dtype(keras.backend.standardize_dtype(v.dtype)))
                 for key, _, v in keyed_variables(model)
                 if keras.backend.standardize_dtype(v.dtype).startswith(("int", "uint"))}
@@ -109,6 +118,7 @@ def phase(towers, epochs, ckpt_dir):
         "global_step": model.loop.global_step,
         "restored_from": resume and resume.restored_from and os.path.basename(resume.restored_from),
         "epochs_begun": begun.epochs,
+        "warnings": [str(w.message) for w in caught if "kerastower" in str(w.message)],
         "integer_dtypes": integers,
         "seed_state": keras.ops.convert_to_numpy(
             model.get_layer("jitter").seed_generator.state.value).tolist(),

@@ -58,10 +58,11 @@ def test_shuffled_arrays_train_alike_on_tensorflow_and_jax():
 STEPS_PER_EPOCH = 5  # checkpoint_switch_script.py: 40 rows, 4 per tower, 2 towers
 
 
-def _phases(backend, phases, refuse_tensorflow=False):
+def _phases(backend, phases, refuse_tensorflow=False, keras_seed=False):
     """checkpoint_switch_script.py's results for `phases` [(epochs, ckpt dir or None)]."""
     args = [CHECKPOINT_SCRIPT, json.dumps(phases)]
-    return _last_json_line(args + ["--refuse-tensorflow"] * refuse_tensorflow, backend)
+    args += ["--refuse-tensorflow"] * refuse_tensorflow + ["--keras-seed"] * keras_seed
+    return _last_json_line(args, backend)
 
 
 def _assert_resumed_like(resumed, whole, backend):
@@ -102,6 +103,24 @@ def test_a_checkpoint_resumes_on_the_other_backend(tmp_path):
     _assert_resumed_like(tf_resumed, whole, "tensorflow")
     _assert_resumed_like(jax_resumed, whole, "jax")
     assert not jax_resumed["tensorflow_imported"]
+
+
+def test_a_resume_on_the_other_backend_says_when_the_shuffled_order_changes(tmp_path):
+    """With keras.utils.set_random_seed, each backend reads shuffled arrays
+    in its stock Keras's order; those differ, so a TensorFlow checkpoint
+    resumed on JAX cannot take the examples the uninterrupted run would,
+    and the resume says so (nothing silent). On the same backend it resumes
+    without a word."""
+    written = str(tmp_path / "tf-ckpt")
+    (first,) = _phases("tensorflow", [(2, written)], keras_seed=True)
+    (same,) = _phases("tensorflow", [(3, written)], keras_seed=True)
+    (other,) = _phases("jax", [(4, written)], keras_seed=True)
+    assert first["warnings"] == [] and same["warnings"] == []
+    assert same["restored_from"] == f"ckpt-{2 * STEPS_PER_EPOCH:08d}"
+    assert other["restored_from"] == f"ckpt-{3 * STEPS_PER_EPOCH:08d}"
+    assert len(other["warnings"]) == 1, other["warnings"]
+    assert "'keras-tensorflow' order" in other["warnings"][0]
+    assert "'keras-jax' order" in other["warnings"][0]
 
 
 # -- integer dtypes, in process --------------------------------------------------------

@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 
 import kerastower as kt
+from shared_helpers import assert_logs_equal
 from conftest import TWO
 from keras_io_programs import PROGRAMS
 
@@ -35,10 +36,6 @@ def _run(program, base, strategy=None, devices=None, batch_size=BATCH):
     return made, history.history, weights, evaluated
 
 
-def _assert_logs_equal(got, want, atol, what):
-    assert sorted(got) == sorted(want), f"{what}: logged {sorted(got)}, expected {sorted(want)}"
-    for key in want:
-        np.testing.assert_allclose(got[key], want[key], rtol=atol, atol=atol, err_msg=f"{what}: {key}")
 
 
 @pytest.mark.parametrize("name", sorted(PROGRAMS))
@@ -49,12 +46,12 @@ def test_keras_io_program_with_its_base_class_changed(name):
     assert isinstance(tower.model, kt.TowerModel) and not isinstance(stock.model, kt.TowerModel)
 
     # One tower is stock Keras: the same history, the same weights.
-    _assert_logs_equal(tower_logs, stock_logs, 1e-6, f"{name}, 1 tower against stock Keras")
+    assert_logs_equal(tower_logs, stock_logs, 1e-6, f"{name}, 1 tower against stock Keras")
     assert len(tower_weights) == len(stock_weights)
     for got, want in zip(tower_weights, stock_weights):
         np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6, err_msg=name)
     if stock_eval is not None:
-        _assert_logs_equal(tower_eval, stock_eval, 1e-6, f"{name}, evaluate")
+        assert_logs_equal(tower_eval, stock_eval, 1e-6, f"{name}, evaluate")
     trained = [w for w in stock.model.trainable_weights]
     assert trained and any(np.abs(w.numpy()).sum() > 0 for w in trained)
 
@@ -63,11 +60,11 @@ def test_keras_io_program_with_its_base_class_changed(name):
     assert sorted(two_logs) == sorted(stock_logs)
     assert all(np.isfinite(v).all() for v in two_logs.values()), two_logs
     if stock.deterministic:
-        _assert_logs_equal(two_logs, tower_logs, 1e-5, f"{name}, 2 towers against 1")
+        assert_logs_equal(two_logs, tower_logs, 1e-5, f"{name}, 2 towers against 1")
         for got, want in zip(two_weights, tower_weights):
             np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5, err_msg=name)
         if two_eval is not None:
-            _assert_logs_equal(two_eval, tower_eval, 1e-5, f"{name}, evaluate on 2 towers")
+            assert_logs_equal(two_eval, tower_eval, 1e-5, f"{name}, evaluate on 2 towers")
 
 
 @pytest.mark.parametrize("shuffle", [True, "batch"])
@@ -97,11 +94,11 @@ def test_seeded_shuffle_and_validation_split_give_stock_keras_numbers(shuffle):
     stock_logs = stock.fit(x, y, batch_size=8, epochs=3, shuffle=shuffle, validation_split=0.25,
                            verbose=0).history
     one_logs, one_weights = run(kt.TowerModel)
-    _assert_logs_equal(one_logs, stock_logs, 1e-6, f"shuffle={shuffle!r}, 1 tower against stock Keras")
+    assert_logs_equal(one_logs, stock_logs, 1e-6, f"shuffle={shuffle!r}, 1 tower against stock Keras")
     for got, want in zip(one_weights, stock.weights):
         np.testing.assert_allclose(got, want.numpy(), rtol=1e-6, atol=1e-6)
     two_logs, two_weights = run(kt.TowerModel, TWO, batch_size=4)
-    _assert_logs_equal(two_logs, one_logs, 1e-5, f"shuffle={shuffle!r}, 2 towers against 1")
+    assert_logs_equal(two_logs, one_logs, 1e-5, f"shuffle={shuffle!r}, 2 towers against 1")
     for got, want in zip(two_weights, one_weights):
         np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
 

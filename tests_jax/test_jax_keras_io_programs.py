@@ -20,6 +20,7 @@ import numpy as np
 import pytest
 
 import kerastower as kt
+from shared_helpers import assert_logs_equal
 
 BATCH = 8
 RNG = np.random.default_rng(0)
@@ -196,10 +197,6 @@ def _run(program, base, strategy=None, devices=None, batch_size=BATCH):
     return model, logs, [np.asarray(w.numpy()) for w in model.weights], evaluated
 
 
-def _assert_logs_equal(got, want, atol, what):
-    assert sorted(got) == sorted(want), f"{what}: logged {sorted(got)}, expected {sorted(want)}"
-    for key in want:
-        np.testing.assert_allclose(got[key], want[key], rtol=atol, atol=atol, err_msg=f"{what}: {key}")
 
 
 @pytest.mark.parametrize("name", sorted(PROGRAMS))
@@ -208,14 +205,14 @@ def test_jax_keras_io_program_with_its_base_class_changed(name):
     stock, stock_logs, stock_weights, stock_eval = _run(program, keras.Model)
     one, one_logs, one_weights, one_eval = _run(program, kt.TowerModel, "single")
     assert isinstance(one, kt.TowerModel) and not isinstance(stock, kt.TowerModel)
-    _assert_logs_equal(one_logs, stock_logs, 1e-6, f"{name}, 1 tower against stock Keras-JAX")
-    _assert_logs_equal(one_eval, stock_eval, 1e-6, f"{name}, evaluate, 1 tower against stock")
+    assert_logs_equal(one_logs, stock_logs, 1e-6, f"{name}, 1 tower against stock Keras-JAX")
+    assert_logs_equal(one_eval, stock_eval, 1e-6, f"{name}, evaluate, 1 tower against stock")
     for got, want in zip(one_weights, stock_weights):
         np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6, err_msg=name)
     devices = jax.devices()[:2]
     two, two_logs, two_weights, two_eval = _run(program, kt.TowerModel, "mirrored", devices, BATCH // 2)
-    _assert_logs_equal(two_logs, one_logs, 1e-5, f"{name}, 2 towers against 1")
-    _assert_logs_equal(two_eval, one_eval, 1e-5, f"{name}, evaluate, 2 towers against 1")
+    assert_logs_equal(two_logs, one_logs, 1e-5, f"{name}, 2 towers against 1")
+    assert_logs_equal(two_eval, one_eval, 1e-5, f"{name}, evaluate, 2 towers against 1")
     for got, want in zip(two_weights, one_weights):
         np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5, err_msg=name)
 
@@ -250,12 +247,12 @@ def test_seeded_shuffle_and_validation_split_give_stock_keras_jax_numbers(shuffl
     stock_logs, stock_weights, stock_next = run(keras.Model)
     one_logs, one_weights, one_next = run(kt.TowerModel, "single")
     for got, want in zip(one_logs, stock_logs):
-        _assert_logs_equal(got, want, 1e-6, f"shuffle={shuffle!r}, 1 tower against stock Keras-JAX")
+        assert_logs_equal(got, want, 1e-6, f"shuffle={shuffle!r}, 1 tower against stock Keras-JAX")
     for got, want in zip(one_weights, stock_weights):
         np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-6)
     assert one_next == stock_next, "numpy's generator is not where stock Keras leaves it"
     two_logs, two_weights, _ = run(kt.TowerModel, "mirrored", jax.devices()[:2], batch_size=4)
     for got, want in zip(two_logs, one_logs):
-        _assert_logs_equal(got, want, 1e-5, f"shuffle={shuffle!r}, 2 towers against 1")
+        assert_logs_equal(got, want, 1e-5, f"shuffle={shuffle!r}, 2 towers against 1")
     for got, want in zip(two_weights, one_weights):
         np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)

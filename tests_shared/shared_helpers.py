@@ -113,3 +113,13 @@ def tower_copies(variable):
     if BACKEND == "tensorflow":
         return [float(v.numpy()) for v in variable.value.values]
     return [float(shard.data) for shard in variable.value.addressable_shards]
+
+
+def assert_logs_equal(got, want, atol, what):
+    """Two `History.history` (or evaluate) dicts log the same keys, their
+    values within `atol` (relative and absolute); `what` names the pair."""
+    import numpy as np
+
+    assert sorted(got) == sorted(want), f"{what}: logged {sorted(got)}, expected {sorted(want)}"
+    for key in want:
+        np.testing.assert_allclose(got[key], want[key], rtol=atol, atol=atol, err_msg=f"{what}: {key}")

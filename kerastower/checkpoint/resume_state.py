@@ -32,6 +32,11 @@ class ResumeState:
         batch_size: examples in each tower's batch when the input was numpy
             arrays (fit's `batch_size`); None when the source made its own
             batches (tower_batches then count those).
+        array_order: what ordered shuffled numpy arrays' passes
+            (`inputs/keras_order.py`, `order_kind`): "keras-tensorflow",
+            "keras-jax" (stock Keras's order on that backend, seeded by
+            `keras.utils.set_random_seed`), "seeded" (kerastower's own), or
+            None (not shuffled arrays).
         time: when it was written (seconds since the epoch).
     """
 
@@ -44,6 +49,7 @@ class ResumeState:
     epoch_ended: bool = False
     one_pass: bool = False
     batch_size: int = None
+    array_order: str = None
     time: float = 0.0
 
     @classmethod
@@ -59,6 +65,7 @@ class ResumeState:
             epoch_ended=loop.epoch_ended,
             one_pass=loop.one_pass,
             batch_size=loop.batch_size,
+            array_order=loop.array_order,
             time=time.time(),
         )
 

@@ -14,7 +14,6 @@ import numpy as np
 import tensorflow as tf
 
 from kerastower.errors import InputSourceError
-from kerastower.inputs import keras_order
 from kerastower.inputs.array_rows import ArrayRows
 from kerastower.inputs.sources import DatasetInput
 
@@ -183,8 +182,6 @@ class ArrayInput(DatasetInput):
         """Pass `pass_index`'s batches (and the passes after it, with
         `repeat`) on `strategy`'s towers, less the batches each tower took
         before (`skip_batches`)."""
-        if self.rows.shuffle:
-            keras_order.follow_keras(self.rows, strategy)
         if self.rows.shuffle and self.rows.pass_order is None:
             # Every process must shuffle alike before taking its shard, or
             # the shards would overlap: the chief's seed wins.

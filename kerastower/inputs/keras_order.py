@@ -31,11 +31,12 @@ pipeline per epoch replays its seeded shuffle); this module gives the same.
 
 import threading
 
+import keras
 import numpy as np
 
 from kerastower import _compat
 
-__all__ = ["KerasPassOrder", "NumpyPassOrder", "follow_keras", "follow_keras_on_jax"]
+__all__ = ["KerasPassOrder", "NumpyPassOrder", "follow_keras", "order_kind"]
 
 
 class KerasPassOrder:
@@ -62,17 +63,6 @@ class KerasPassOrder:
                     self._kept = {k: v for k, v in self._kept.items() if k == self._read - 1}
                     self._kept[self._read] = order
             return self._kept[pass_index]
-
-
-def follow_keras(rows, strategy):
-    """Sets `rows.pass_order` to Keras's order (see the module docstring)
-    where one process reads the arrays and Keras's seed is set, else to None."""
-    if not strategy.single_process or _compat.keras_random_seed() is None:
-        rows.pass_order = None
-        return
-    key = (rows.length, rows.batch_size * strategy.num_towers, rows.shuffle)
-    if getattr(rows.pass_order, "key", None) != key:
-        rows.pass_order = KerasPassOrder(*key)
 
 
 class NumpyPassOrder:
@@ -126,10 +116,25 @@ class NumpyPassOrder:
         return self._kept[pass_index]
 
 
-def follow_keras_on_jax(rows, strategy):
-    """As `follow_keras`, with stock Keras-JAX's order (`NumpyPassOrder`),
-    made when fit begins."""
+def follow_keras(rows, strategy):
+    """Sets `rows.pass_order` (an `ArrayRows`'s) to stock Keras's order on
+    this backend where one process reads the arrays, shuffled, and Keras's
+    seed is set; else to None (the seeded order). Made when fit begins."""
     if not rows.shuffle or not strategy.single_process or _compat.keras_random_seed() is None:
         rows.pass_order = None
         return
-    rows.pass_order = NumpyPassOrder(rows.length, rows.batch_size * strategy.num_towers, rows.shuffle)
+    joined_batch = rows.batch_size * strategy.num_towers
+    if keras.backend.backend() == "jax":
+        rows.pass_order = NumpyPassOrder(rows.length, joined_batch, rows.shuffle)
+    else:
+        rows.pass_order = KerasPassOrder(rows.length, joined_batch, rows.shuffle)
+
+
+def order_kind(rows):
+    """What decides the order of `rows`'s passes, as a checkpoint records
+    it: "keras-tensorflow", "keras-jax", "seeded", or None (in order)."""
+    if rows is None or not rows.shuffle:
+        return None
+    if rows.pass_order is None:
+        return "seeded"
+    return "keras-jax" if isinstance(rows.pass_order, NumpyPassOrder) else "keras-tensorflow"

@@ -12,6 +12,7 @@ from kerastower.callbacks.base import RunHooks
 from kerastower.callbacks.base import unwrapped
 from kerastower.errors import nonfinite_error
 from kerastower.errors import InputSourceError
+from kerastower.inputs.keras_order import order_kind
 from kerastower.loop.main_loop import Iteration
 from kerastower.loop.main_loop import announce_total_batch
 
@@ -55,6 +56,10 @@ class FitSteps(Iteration):
     def tower_batch_size(self):
         rows = getattr(self.source, "rows", None)  # numpy arrays (inputs/array_rows.py)
         return None if rows is None else rows.batch_size
+
+    @property
+    def array_order(self):
+        return order_kind(getattr(self.source, "rows", None))
 
     def start(self, skip_batches, epoch_num):
         self.feed = self.model.engine.fit_feed(self.source, self.steps_per_epoch, self.steps_per_call)

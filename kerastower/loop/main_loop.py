@@ -105,6 +105,7 @@ class LoopState:
         self.training_failed = False
         self.logdir = None
         self.batch_size = None
+        self.array_order = None
 
     def __repr__(self):
         return (
@@ -123,6 +124,7 @@ class Iteration:
 
     steps_per_call = 1
     tower_batch_size = None  # examples in a tower's batch of numpy arrays, else None
+    array_order = None  # what orders shuffled numpy arrays (keras_order.order_kind), else None
 
     def start(self, skip_batches, epoch_num):
         """Before the first epoch (`epoch_num`): open the input, skipping
@@ -267,6 +269,7 @@ class MainLoop:
         loop.steps_per_epoch = steps_per_epoch or epoch_length
         loop.one_pass = not steps_per_epoch
         loop.batch_size = iteration.tower_batch_size
+        loop.array_order = iteration.array_order
         loop.tower_batches = [0] * model.num_towers
         model.stop_training = False
         loop.training_failed = False

@@ -195,6 +195,7 @@ class Resumption:
             return (keras_epoch + 1 if keras_epoch else starting_epoch), 0, None
         move = state.on_towers(self.model.num_towers, loop.batch_size)
         self._check_elastic(move)
+        self._check_array_order(state)
         epoch_num, first_step, skip = move.state.start_position(steps_per_epoch)
         if skip is not None:
             loop.tower_batches = list(skip)
@@ -213,6 +214,26 @@ class Resumption:
                 f"at epoch {epoch_num}, step 0."
             )
         return epoch_num, first_step, skip
+
+    def _check_array_order(self, state):
+        """Says when the arrays are now shuffled in another order than the
+        checkpoint's run read them in (`inputs/keras_order.py`): resumed on
+        the other backend, or across processes, with Keras's seed set."""
+        saved, now = state.array_order, self.loop.array_order
+        if saved is None or now is None or saved == now:
+            return
+        message = (
+            f"{self.name}: the checkpoint's run read the shuffled arrays in {saved!r} order, "
+            f"this run reads them in {now!r} order (stock Keras's order differs between "
+            "TensorFlow and JAX, and several processes agree on kerastower's seeded one): "
+            "from the resumed epoch on, the steps take other examples than the "
+            "uninterrupted run, and the interrupted epoch may repeat or skip some. To "
+            "resume exactly, resume where the checkpoint was written, or train with "
+            "shuffle=False.")
+        if getattr(self.resumer(), "strict", False):
+            raise KerasTowerError(f"AutoResume(strict=True) refuses: {message}")
+        if self.strategy.is_chief:
+            warnings.warn(f"kerastower: {message}", stacklevel=2)
 
     def _check_elastic(self, move):
         """Refuses a resume that cannot equal the uninterrupted run when

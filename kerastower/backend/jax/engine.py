@@ -77,7 +77,7 @@ class JaxEngine(StepEngine):
         source = jax_sources.tower_batches(x, y, sample_weight, batch_size, shuffle)
         source.repeated = bool(repeat)
         if method == "fit" and getattr(source, "rows", None) is not None:
-            keras_order.follow_keras_on_jax(source.rows, self.model.tower_strategy)
+            keras_order.follow_keras(source.rows, self.model.tower_strategy)
         if getattr(source, "shuffle_seed", None) is not None:
             source.shuffle_seed = self.model.tower_strategy.agree_on_seed(source.shuffle_seed)
         if not steps:

@@ -25,6 +25,7 @@ from kerastower.backend.tensorflow import step as tf_step
 from kerastower.backend.tensorflow import step_errors
 from kerastower.backend.tensorflow import xla
 from kerastower import arguments
+from kerastower.inputs import keras_order
 from kerastower.inputs.sources import as_input_source
 
 __all__ = ["TensorFlowEngine"]
@@ -81,6 +82,8 @@ class TensorFlowEngine(StepEngine):
                      repeat=False, method="fit", steps=None):
         if method == "fit":
             source = as_input_source(x, y, sample_weight, batch_size, shuffle, repeat=repeat)
+            if getattr(source, "rows", None) is not None:
+                keras_order.follow_keras(source.rows, self.model.tower_strategy)
         elif method == "predict":
             source = as_input_source(x, batch_size=batch_size)
         else:
