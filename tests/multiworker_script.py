@@ -41,6 +41,9 @@ def main(out):
         "evaluate": model.evaluate(x, y, batch_size=5, verbose=0, return_dict=True),
         "predict_rows": int(model.predict(x, batch_size=5, verbose=0).shape[0]),
         "nonfinite": shared.fit_with_a_nan_on_rank_1(worker),
+        # keras.io's CycleGAN: its four optimizers build on first use, and
+        # every worker builds them before the chief restores a checkpoint.
+        "first_use_resume_equal": shared.optimizers_built_on_first_use_resume(out),
     }
     with open(os.path.join(out, f"results_worker{worker}.json"), "w") as f:
         json.dump(result, f)

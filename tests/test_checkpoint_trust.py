@@ -101,9 +101,14 @@ def _variables_entry(path):
     return "each variables entry needs a key, a dtype, a shape of integers"
 
 
+def _optimizers_entry(path):
+    _resign(path, lambda fields: fields.update(optimizers={"d_optimizer": [["model", "dense"]]}))
+    return "optimizers must map each optimizer's attribute to the keys"
+
+
 @pytest.mark.parametrize("forge", [
     _path_traversal, _files_as_a_list, _string_step, _negative_tower_batches, _object_array,
-    _symlinked_file, _variables_entry,
+    _symlinked_file, _variables_entry, _optimizers_entry,
 ], ids=lambda forge: forge.__name__.strip("_"))
 def test_a_forged_checkpoint_is_skipped_naming_the_field(two_checkpoints, forge):
     folder, model = two_checkpoints

@@ -168,6 +168,11 @@ REVIEWED_MODULE_STATE = {
     ("kerastower.backend.tensorflow.collectives", "_active"),
     ("kerastower.strategies.switch", "_local"),
     ("kerastower.tower", "_local"),
+    # The optimizers first used in the step `step.traced` is tracing, and
+    # whether it is tracing one: emptied when that trace ends (a trace is
+    # synchronous; the towers' threads all note into it).
+    ("kerastower.backend.tensorflow.gradients", "_first_uses"),
+    ("kerastower.backend.tensorflow.gradients", "_retrying"),
     # Registries filled at import, and warn-once memories.
     ("kerastower.strategies.switch", "_REGISTRY"),
     ("kerastower.strategies.switch", "_warned_stock_models"),  # weak: models die with their users

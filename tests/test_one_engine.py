@@ -68,29 +68,83 @@ def test_a_second_optimizer_builds_on_first_use_outside_the_towers():
     assert np.abs(model.b.kernel.numpy() - before).max() > 1e-4
 
 
-def test_an_unbuilt_optimizer_in_a_step_run_eagerly_says_how_to_build_it():
-    class Eager(kt.TowerModel):
-        def __init__(self):
-            super().__init__()
-            self.a = keras.layers.Dense(1)
-            self.a_optimizer = keras.optimizers.Adam(0.1)
+class SecondOptimizerModel(kt.TowerModel):
+    """A model whose second part trains with an optimizer of its own, which
+    nothing builds before the first step."""
 
-        def call(self, x):
-            return self.a(x)
+    def __init__(self, second_optimizer):
+        super().__init__()
+        self.a = keras.layers.Dense(1, name="a")
+        self.b = keras.layers.Dense(1, name="b")
+        self.b_optimizer = second_optimizer
 
-        def train_step(self, data):
-            x, y = data
-            with tf.GradientTape() as tape:
-                loss = tf.reduce_mean((self(x) - y) ** 2)
-            self.a_optimizer.apply(tape.gradient(loss, self.a.trainable_variables),
-                                   self.a.trainable_variables)
-            return {}
+    def call(self, x):
+        return self.a(x) + self.b(x)
 
-    with kt.distributed("mirrored", devices=TWO):
-        model = Eager()
-        model.compile(optimizer="sgd", loss="mse", run_eagerly=True)
-        with pytest.raises(kt.TowerRuleError, match="run eagerly.*Build it before training"):
-            model.fit(np.ones((16, 2), "float32"), np.ones((16, 1), "float32"), batch_size=4, verbose=0)
+    def train_step(self, data):
+        x, y = data
+        with tf.GradientTape(persistent=True) as tape:
+            loss = tf.reduce_mean((self(x) - y) ** 2)
+        self.optimizer.apply(tape.gradient(loss, self.a.trainable_variables), self.a.trainable_variables)
+        self.b_optimizer.apply(tape.gradient(loss, self.b.trainable_variables), self.b.trainable_variables)
+        return {"loss": loss}
+
+
+def _second_optimizer_run(run_eagerly=False, epochs=2, callbacks=(), devices=TWO):
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(32, 2)).astype("float32")
+    y = x.sum(axis=1, keepdims=True)
+    keras.utils.set_random_seed(0)
+    with kt.distributed("mirrored", devices=devices):
+        model = SecondOptimizerModel(keras.optimizers.Adam(0.1))
+        model.compile(optimizer="sgd", run_eagerly=run_eagerly)
+        model(x[:1])
+        model.fit(x, y, batch_size=4, epochs=epochs, verbose=0, callbacks=list(callbacks))
+    return model
+
+
+def test_an_optimizer_first_used_in_a_step_run_eagerly_builds_across_towers():
+    """Run eagerly, the towers meet where the optimizer is first used and
+    it is built there, once: the run equals the compiled one."""
+    eager, compiled = _second_optimizer_run(run_eagerly=True), _second_optimizer_run()
+    assert eager.b_optimizer.built and int(eager.b_optimizer.iterations.numpy()) == 8
+    for a, b in zip(eager.weights + eager.b_optimizer.variables,
+                    compiled.weights + compiled.b_optimizer.variables):
+        np.testing.assert_allclose(a.numpy(), b.numpy(), atol=1e-6, err_msg=a.path)
+
+
+def test_an_optimizer_without_slots_built_on_first_use_is_resumed(tmp_path):
+    """An SGD without momentum has no slots, only its step counter: the
+    checkpoint's manifest says what each optimizer was built on, so a
+    resume builds it and restores its counter (and a learning-rate
+    schedule reading it)."""
+
+    class Sgd(SecondOptimizerModel):
+        def __init__(self, second_optimizer):
+            super().__init__(keras.optimizers.SGD(0.05))
+
+    folder = str(tmp_path / "ckpt")
+    rng = np.random.default_rng(0)
+    x, y = rng.normal(size=(32, 2)).astype("float32"), rng.normal(size=(32, 1)).astype("float32")
+
+    def run(epochs, callbacks=()):
+        keras.utils.set_random_seed(0)
+        with kt.distributed("mirrored", devices=TWO):
+            model = Sgd(None)
+            model.compile(optimizer="sgd")
+            model(x[:1])
+            model.fit(x, y, batch_size=4, epochs=epochs, verbose=0, callbacks=list(callbacks))
+        return model
+
+    run(1, [kt.callbacks.ModelSaver(folder)])
+    manifest = kt.checkpoint.verify_checkpoint(kt.checkpoint.latest_checkpoint(folder))
+    built_on = manifest["optimizers"]["b_optimizer"]
+    assert [key.split("/")[-2:] for key in built_on] == [["b", "kernel"], ["b", "bias"]], built_on
+    resumed = run(3, [kt.callbacks.AutoResume(folder)])
+    straight = run(3)
+    assert int(resumed.b_optimizer.iterations.numpy()) == int(straight.b_optimizer.iterations.numpy()) == 12
+    for a, b in zip(resumed.weights, straight.weights):
+        np.testing.assert_allclose(a.numpy(), b.numpy(), atol=1e-6, err_msg=a.path)
 
 
 def test_a_variable_some_towers_do_not_use_is_trained_and_an_unused_one_is_left_alone():

@@ -56,6 +56,12 @@ def unpack_x_y_sample_weight(data):
     return fn(data)
 
 
+def compiled_loss_or_metrics_unbuilt(model):
+    """Whether the loss or metrics `compile` gave `model` are not built yet."""
+    return any(not getattr(getattr(model, name, None), "built", True)
+               for name in ("_compile_metrics", "_compile_loss"))
+
+
 def keras_random_seed():
     """The seed `keras.utils.set_random_seed` set last, else None."""
     get = require("keras.src.backend.common.global_state", "get_global_attribute")

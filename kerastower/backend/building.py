@@ -51,8 +51,7 @@ def mark_built_by_parts(model):
             "Build them before fit: make each sub-model on keras.Input (as keras.io's "
             "encoders and generators are), call it once on a batch, or call "
             "layer.build(input_shape). See docs/towers.md, rule 2.")
-    if any(not getattr(getattr(model, name, None), "built", True)
-           for name in ("_compile_metrics", "_compile_loss")):
+    if _compat.compiled_loss_or_metrics_unbuilt(model):
         raise TowerRuleError(
             f"{type(model).__name__} has no call(), but was compiled with a loss or "
             "metrics, which need its predictions. Compute the loss in train_step (as "

@@ -342,6 +342,13 @@ class AutoResume(Callback):
         # Runs on every process, so the chief's restored state reaches all.
         self.chief_only = False
 
+    def saved_optimizer_builds(self):
+        """What restoring the newest intact checkpoint will build (the
+        optimizers that build on first use), or None; read on the chief."""
+        if not os.path.isdir(self.checkpoint_dir):
+            return None
+        return checkpoint.saved_optimizer_builds(self.checkpoint_dir)
+
     def restore_training_state(self):
         """Restores the newest intact checkpoint into the model; returns its
         `ResumeState`, or None without one. The training loop calls it on

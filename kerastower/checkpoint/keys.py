@@ -37,7 +37,7 @@ import re
 from kerastower import _compat
 from kerastower.checkpoint.training_state import training_optimizers
 
-__all__ = ["keyed_variables", "slotted_variables", "optimizer_builds", "build_optimizers"]
+__all__ = ["keyed_variables", "optimizer_builds", "build_optimizers"]
 
 _NUMBERED = re.compile(r"^(.*?)(?:_(\d+))?$")
 
@@ -119,32 +119,12 @@ def keyed_variables(model):
     return keyed
 
 
-def slotted_variables(model, saved_keys):
-    """[(optimizer, model variables)] for each optimizer of `model` not yet
-    built (it builds on first use) that has slots under `saved_keys` (a
-    checkpoint's keys): the model's trainable variables those slots are
-    keyed by, in `model.variables` order. Building each optimizer on its
-    variables before a restore makes its slots exist to restore into."""
-    by_rest = {}
-    for key, _, variable in keyed_variables(model):
-        if key.startswith("model/") and variable.trainable:
-            by_rest[key[len("model/"):]] = variable
-    found = []
-    for attribute, optimizer in _optimizer_attributes(model):
-        if optimizer.built:
-            continue
-        # <attribute>/<optimizer's scope>/<model key less "model/">/<slot>
-        named = {key.split("/", 2)[2].rpartition("/")[0]
-                 for key in saved_keys if key.startswith(attribute + "/") and key.count("/") >= 3}
-        variables = [v for rest, v in by_rest.items() if rest in named]
-        if variables:
-            found.append((optimizer, variables))
-    return found
-
-
 def optimizer_builds(model):
     """{attribute: [model variable keys]}: what each built optimizer of
-    `model` was built on, by checkpoint key (the same in every process)."""
+    `model` was built on, by checkpoint key (the same in every process).
+    A checkpoint's manifest holds it (`optimizers`), so that a resume
+    builds an optimizer that builds on first use (a GAN's second one)
+    before restoring it, slots or none (an SGD has only its counter)."""
     keys = {id(variable): key for key, _, variable in keyed_variables(model) if key.startswith("model/")}
     return {attribute: [keys[id(v)] for v in _compat.optimizer_variables(optimizer) if id(v) in keys]
             for attribute, optimizer in _optimizer_attributes(model) if optimizer.built}
@@ -152,12 +132,13 @@ def optimizer_builds(model):
 
 def build_optimizers(model, builds, scope):
     """Builds, inside `scope()`, each optimizer of `model` not yet built
-    that `builds` (another process's `optimizer_builds`) names, on the
-    variables it names: every process then holds the same optimizer
-    variables (a resume built on the chief the optimizers that build on
-    first use)."""
+    that `builds` (a checkpoint's `optimizer_builds`) names, on the
+    variables it names; keys this model lacks are left to the restore's
+    mismatch report."""
     by_key = {key: variable for key, _, variable in keyed_variables(model)}
     for attribute, optimizer in _optimizer_attributes(model):
-        if not optimizer.built and builds.get(attribute):
-            with scope():
-                optimizer.build([by_key[key] for key in builds[attribute]])
+        wanted = (builds or {}).get(attribute)
+        if optimizer.built or not wanted or any(key not in by_key for key in wanted):
+            continue
+        with scope():
+            optimizer.build([by_key[key] for key in wanted])

@@ -14,7 +14,8 @@ from kerastower.checkpoint import files as checkpoint_files
 from kerastower.checkpoint import variables as checkpoint_variables
 from kerastower.checkpoint.files import DamagedCheckpointError
 from kerastower.checkpoint.keys import keyed_variables
-from kerastower.checkpoint.keys import slotted_variables
+from kerastower.checkpoint.keys import build_optimizers
+from kerastower.checkpoint.keys import optimizer_builds
 from kerastower.checkpoint.places import variable_places
 from kerastower.errors import KerasTowerError
 
@@ -273,6 +274,7 @@ def write_checkpoint(directory, model, state, retention=None):
             for (key, path, variable), value, ok in zip(keyed, values, finite)
         ],
         "retention": retention or {},
+        "optimizers": optimizer_builds(model),
     }
     return checkpoint_files.commit(directory, step, fill, fields)
 
@@ -369,14 +371,17 @@ def _beyond(value, dtype):
     return None
 
 
-def _build_optimizers_with_slots(manifest, model):
-    """Builds each optimizer that builds on first use (a GAN's) and has
-    slots in the checkpoint, on the variables they belong to, so that a
-    resume restores them before the first step."""
-    saved_keys = [v["key"] for v in manifest["variables"]]
-    for optimizer, variables in slotted_variables(model, saved_keys):
-        with model.tower_strategy.scope():
-            optimizer.build(variables)
+def saved_optimizer_builds(directory):
+    """The `optimizers` entry (keys.optimizer_builds) of the newest intact
+    checkpoint in `directory`, or None: what a restore from it will build.
+    Every process builds these before the chief restores (loop/resume.py),
+    since building under a multi-worker strategy is collective."""
+    for _, path in reversed(checkpoint_files.candidates(directory)):
+        try:
+            return checkpoint_files.verify(path).get("optimizers")
+        except DamagedCheckpointError:
+            continue
+    return None
 
 
 def read_checkpoint(path, model, allow_partial=False):
@@ -408,7 +413,7 @@ def read_checkpoint(path, model, allow_partial=False):
     manifest = checkpoint_files.verify(path)
     with open(os.path.join(path, checkpoint_files.STATE)) as f:
         state = json.load(f)
-    _build_optimizers_with_slots(manifest, model)
+    build_optimizers(model, manifest.get("optimizers"), model.tower_strategy.scope)
     keyed, places = keyed_variables(model), variable_places(model)
     restorable, missing, unexpected, reshaped = _match(manifest, keyed)
     moved = _moved(manifest, restorable, places)

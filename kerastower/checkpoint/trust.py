@@ -69,6 +69,12 @@ def manifest_problem(manifest):
                     f"and a finite flag; got {entry!r}")
     if not isinstance(manifest.get("retention", {}), dict):
         return f"retention must be a dict, got {manifest.get('retention')!r}"
+    optimizers = manifest.get("optimizers", {})
+    if not (isinstance(optimizers, dict) and all(
+            isinstance(name, str) and isinstance(keys, list) and all(isinstance(k, str) for k in keys)
+            for name, keys in optimizers.items())):
+        return ("optimizers must map each optimizer's attribute to the keys of the "
+                f"variables it was built on, got {optimizers!r}")
     return None
 
 

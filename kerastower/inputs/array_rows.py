@@ -66,6 +66,12 @@ class ArrayRows:
     def seed(self, seed):
         self._seed = seed
 
+    def fix_seed(self):
+        """Draws the seed now, where no `pass_order` decides: numpy's
+        generator is then read when fit makes its source, on both backends,
+        whatever reads it before the first pass."""
+        return self.seed
+
     def order(self, pass_index):
         """The example indices (int64) in the order pass `pass_index` reads them."""
         if not self.shuffle:

@@ -79,37 +79,40 @@ class NumpyPassOrder:
 
     def __init__(self, length, joined_batch, shuffle):
         self.key = (int(length), int(joined_batch), shuffle)
-        self._start = np.random.get_state()
         self._peeked = False
         self._drawn = -1      # the last pass drawn from the global generator
         self._kept = {}
+        self._states = {}     # pass -> the generator's state before its draw
 
-    def _draw(self, generator, first_batch_only=False):
+    def _draw(self, generator, first_batches=None):
         length, batch, shuffle = self.key
         if shuffle != "batch":
             return generator.permutation(length).astype(np.int64)
-        starts = range(0, min(batch, length) if first_batch_only else length, batch)
+        starts = range(0, length, batch)
+        if first_batches is not None:
+            starts = starts[:first_batches]
         return np.concatenate([generator.permutation(min(start + batch, length) - start) + start
                                for start in starts]).astype(np.int64)
 
     def peek(self):
-        """Draws what Keras's fit draws for the batch it builds the model from."""
+        """Draws what Keras's fit draws for the batch it builds the model
+        from: one batch's worth, two where Keras-JAX reads one batch ahead
+        (any device but the CPU)."""
         if not self._peeked and self._drawn == -1:
-            self._draw(np.random, first_batch_only=True)
+            import jax
+
+            self._draw(np.random, first_batches=1 if jax.default_backend() == "cpu" else 2)
             self._peeked = True
 
     def __call__(self, pass_index):
         if pass_index in self._kept:
             return self._kept[pass_index]
-        if pass_index < self._drawn:
+        if pass_index in self._states:  # an earlier pass: replayed from its state
             replay = np.random.RandomState()
-            replay.set_state(self._start)
-            if self._peeked:
-                self._draw(replay, first_batch_only=True)
-            for _ in range(pass_index):
-                self._draw(replay)
+            replay.set_state(self._states[pass_index])
             return self._draw(replay)
         while self._drawn < pass_index:
+            self._states[self._drawn + 1] = np.random.get_state()
             order = self._draw(np.random)
             self._drawn += 1
             self._kept = {self._drawn: order}
@@ -132,9 +135,13 @@ def follow_keras(rows, strategy):
 
 def order_kind(rows):
     """What decides the order of `rows`'s passes, as a checkpoint records
-    it: "keras-tensorflow", "keras-jax", "seeded", or None (in order)."""
+    it: "keras-tensorflow" or "keras-jax" (with `shuffle="batch"`, followed
+    by the joined batch), "seeded", or None (in order)."""
     if rows is None or not rows.shuffle:
         return None
     if rows.pass_order is None:
         return "seeded"
-    return "keras-jax" if isinstance(rows.pass_order, NumpyPassOrder) else "keras-tensorflow"
+    kind = "keras-jax" if isinstance(rows.pass_order, NumpyPassOrder) else "keras-tensorflow"
+    length, joined_batch, shuffle = rows.pass_order.key
+    # Within batches, the order depends on the joined batch too.
+    return f"{kind}, within batches of {joined_batch}" if shuffle == "batch" else kind

@@ -100,18 +100,21 @@ class Resumption:
         gives every process the chief's variables and resume state; returns
         that state, or None."""
         state = None
+        if not self.strategy.single_process:
+            # A restore builds the optimizers that build on first use (a
+            # GAN's), which is collective under a multi-worker strategy:
+            # every process builds them first, as the chief's newest
+            # checkpoint says, then the chief restores.
+            resumer = self.resumer()
+            builds = self.strategy.broadcast_object(
+                resumer.saved_optimizer_builds() if resumer and self.strategy.is_chief else None)
+            checkpoint_keys.build_optimizers(self.model, builds, self.model.tower_strategy.scope)
         for callback in getattr(self.callbacks, "callbacks", self.callbacks):
             restore = getattr(unwrapped(callback), "restore_training_state", None)
             if restore is not None and self.strategy.is_chief:
                 state = restore() or state
                 self.training_run.restored_from = getattr(unwrapped(callback), "restored_from", None)
         state = self.strategy.broadcast_object(None if state is None else state.to_dict())
-        if not self.strategy.single_process:
-            # The chief's restore built the optimizers that build on first
-            # use; every process builds the same before the state is shared.
-            builds = self.strategy.broadcast_object(
-                checkpoint_keys.optimizer_builds(self.model) if self.strategy.is_chief else None)
-            checkpoint_keys.build_optimizers(self.model, builds, self.model.tower_strategy.scope)
         self.strategy.sync_initial_state(self.model)
         self.strategy.seed_towers_apart(self.model)
         if state is None:

@@ -102,8 +102,7 @@ class JaxEngine(StepEngine):
         model = self.model
         building.mark_built_by_parts(model)
         unbuilt = (not all(layer.built for layer in _compat.flatten_layers(model))
-                   or any(not getattr(getattr(model, name, None), "built", True)
-                          for name in ("_compile_metrics", "_compile_loss")))
+                   or _compat.compiled_loss_or_metrics_unbuilt(model))
         _compat.symbolic_build(model, source.first_batch() if unbuilt else None)
 
     # steps

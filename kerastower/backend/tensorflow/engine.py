@@ -84,6 +84,7 @@ class TensorFlowEngine(StepEngine):
             source = as_input_source(x, y, sample_weight, batch_size, shuffle, repeat=repeat)
             if getattr(source, "rows", None) is not None:
                 keras_order.follow_keras(source.rows, self.model.tower_strategy)
+                source.rows.fix_seed()
         elif method == "predict":
             source = as_input_source(x, batch_size=batch_size)
         else:

@@ -105,36 +105,66 @@ def _example_weighted_sum(ctx, gradients, variables, key):
 
 
 class OptimizerFirstUse(Exception):
-    """Raised while a step is traced, where an optimizer is first used inside
-    a tower (noted in `_first_uses`): the caller builds it outside the
-    towers, on the variables it was asked to update (`build_first_used`),
-    and traces the step again. So every optimizer builds on first use, as
-    in stock Keras, with its slots made once, not once per tower
-    (step.py, `traced`). The note lives beside the exception because
-    autograph re-raises an exception as a copy made from its message."""
+    """Raised while a step is traced by `step.traced`, where an optimizer is
+    first used inside a tower (noted in `_first_uses`): `traced` builds it
+    outside the towers, on the variables it was asked to update
+    (`build_first_used`), and traces the step again. So every optimizer
+    builds on first use, as in stock Keras, with its slots made once, not
+    once per tower. The note lives beside the exception because autograph
+    re-raises an exception as a copy made from its message."""
 
 
 # (optimizer, variables, strategy) of each optimizer first used in the
-# trace being made; the trace is synchronous, so one list serves.
+# trace `step.traced` is making (`_retrying` > 0 while it does): the trace
+# is synchronous, and the towers' threads share the list.
 _first_uses = []
+_retrying = [0]
 
 
-def _note_first_use(optimizer, variables, strategy):
+def _unbuilt_optimizer_error(optimizer, why):
+    return TowerRuleError(
+        f"The optimizer {optimizer.name!r} was first used inside a tower step {why}, "
+        "where it would create its slot variables once per tower. Build it before "
+        "training, on the variables it updates: e.g. after compile(), "
+        "`second_optimizer.build(model.<part>.trainable_variables)`. (fit's steps "
+        "build each optimizer outside the towers on its first use.)"
+    )
+
+
+def _build_at_first_use(optimizer, variables, strategy):
+    """An optimizer used for the first time inside a tower: built outside
+    the towers, once, before any tower goes on (see OptimizerFirstUse)."""
+    if variables is None:
+        raise _unbuilt_optimizer_error(optimizer, "without the variables it updates")
+    variables = list(variables)
+    if not tf.inside_function():
+        # Run eagerly: the towers meet in a merge_call, where the optimizer
+        # is built once, across towers, as stock Keras builds it.
+        def build(distribution):
+            with distribution.scope():
+                optimizer.build(variables)
+
+        tf.distribute.get_replica_context().merge_call(build)
+        return
+    if not _retrying[0]:
+        raise _unbuilt_optimizer_error(optimizer, "traced outside fit's steps")
     if all(optimizer is not noted for noted, _, _ in _first_uses):
-        _first_uses.append((optimizer, list(variables), strategy))
+        _first_uses.append((optimizer, variables, strategy))
     raise OptimizerFirstUse(f"the optimizer {optimizer.name!r} is used for the first time")
 
 
 def build_first_used():
     """Builds, outside the towers, every optimizer the last trace used for
-    the first time; returns whether there was any."""
+    the first time; returns the optimizers it built."""
     noted = list(_first_uses)
     _first_uses.clear()
+    built = []
     for optimizer, variables, strategy in noted:
         if not optimizer.built:
             with strategy.scope():
                 optimizer.build(variables)
-    return bool(noted)
+            built.append(optimizer)
+    return built
 
 
 def apply_in_tower(optimizer, keras_apply, gradients, variables=None):
@@ -144,16 +174,7 @@ def apply_in_tower(optimizer, keras_apply, gradients, variables=None):
     """
     ctx = get_current_tower_context()
     if not optimizer.built:
-        if variables is not None and tf.inside_function():
-            _note_first_use(optimizer, variables, ctx.strategy)
-        raise TowerRuleError(
-            f"The optimizer {optimizer.name!r} was first used inside a tower step "
-            + ("run eagerly, " if variables is not None else "without the variables it updates, ")
-            + "where it would create its slot variables once per tower. Build it before "
-            "training, on the variables it updates: e.g. after compile(), "
-            "`second_optimizer.build(model.<part>.trainable_variables)`. (A compiled "
-            "step builds each optimizer outside the towers on its first use.)"
-        )
+        _build_at_first_use(optimizer, variables, ctx.strategy)
     variables = list(_compat.optimizer_variables(optimizer) if variables is None else variables)
     gradients = list(gradients)
     if not gradients and not variables:

@@ -36,6 +36,7 @@ from kerastower.backend.tensorflow.step_values import StepValues
 from kerastower.backend.tensorflow import step_errors
 from kerastower import loss_divisors
 from kerastower.errors import PeerFailureError
+from kerastower.errors import TowerRuleError
 from kerastower.tower import TowerContext
 from kerastower.tower import forbid_variable_creation
 from kerastower.tower import get_current_tower_context
@@ -431,12 +432,27 @@ def traced(function, *args):
     """`function.get_concrete_function(*args)`, building every optimizer
     the step uses for the first time outside the towers, then tracing the
     step again (gradients.OptimizerFirstUse)."""
-    while True:
-        try:
-            return function.get_concrete_function(*args)
-        except gradients.OptimizerFirstUse:
-            if not gradients.build_first_used():
-                raise
+    built = set()
+    gradients._first_uses.clear()
+    gradients._retrying[0] += 1
+    try:
+        while True:
+            try:
+                return function.get_concrete_function(*args)
+            except gradients.OptimizerFirstUse:
+                new = gradients.build_first_used()
+                if not new:
+                    raise
+                if any(id(o) in built for o in new) or len(built) > 64:
+                    raise TowerRuleError(
+                        f"The optimizer {new[0].name!r} is used for the first time at every "
+                        "trace of the step, even after it was built: its build() does not "
+                        "mark it built, or the step makes a new optimizer each time. Make "
+                        "the optimizer once (in __init__ or compile) and build it there.")
+                built.update(id(o) for o in new)
+    finally:
+        gradients._retrying[0] -= 1
+        gradients._first_uses.clear()
 
 
 @functools.lru_cache(maxsize=64)
