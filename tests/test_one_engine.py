@@ -31,43 +31,6 @@ def test_a_step_loss_scaling_skips_still_counts_as_a_global_step():
     assert model.optimizer.iterations.numpy() < 8
 
 
-def test_a_second_optimizer_builds_on_first_use_outside_the_towers():
-    class TwoOptimizers(kt.TowerModel):
-        def __init__(self):
-            super().__init__()
-            self.a = keras.layers.Dense(1)
-            self.b = keras.layers.Dense(1)
-            self.b_optimizer = keras.optimizers.SGD(0.1)
-
-        def call(self, x):
-            return self.a(x) + self.b(x)
-
-        def train_step(self, data):
-            x, y = data
-            with tf.GradientTape(persistent=True) as tape:
-                loss = tf.reduce_mean((self(x) - y) ** 2)
-            self.optimizer.apply(tape.gradient(loss, self.a.trainable_variables),
-                                 self.a.trainable_variables)
-            self.b_optimizer.apply(tape.gradient(loss, self.b.trainable_variables),
-                                   self.b.trainable_variables)
-            return {}
-
-    with kt.distributed("mirrored", devices=TWO):
-        model = TwoOptimizers()
-        model.compile(optimizer="sgd", loss="mse")
-        x, y = np.ones((16, 2), "float32"), np.ones((16, 1), "float32")
-        model.fit(x, y, batch_size=4, epochs=1, verbose=0)
-        before = model.b.kernel.numpy().copy()
-        model.fit(x, y, batch_size=4, epochs=1, verbose=0)
-    # Built once, on the variables its first apply named, as in stock Keras:
-    # SGD has no slots, only its step counter, which counts the 2 x 2 steps.
-    assert model.b_optimizer.built
-    assert [v.path for v in model.b_optimizer._trainable_variables] == [
-        v.path for v in model.b.trainable_variables]
-    assert int(model.b_optimizer.iterations.numpy()) == 4
-    assert np.abs(model.b.kernel.numpy() - before).max() > 1e-4
-
-
 class SecondOptimizerModel(kt.TowerModel):
     """A model whose second part trains with an optimizer of its own, which
     nothing builds before the first step."""
@@ -88,6 +51,23 @@ class SecondOptimizerModel(kt.TowerModel):
         self.optimizer.apply(tape.gradient(loss, self.a.trainable_variables), self.a.trainable_variables)
         self.b_optimizer.apply(tape.gradient(loss, self.b.trainable_variables), self.b.trainable_variables)
         return {"loss": loss}
+
+
+def test_a_second_optimizer_builds_on_first_use_outside_the_towers():
+    with kt.distributed("mirrored", devices=TWO):
+        model = SecondOptimizerModel(keras.optimizers.SGD(0.1))
+        model.compile(optimizer="sgd", loss="mse")
+        x, y = np.ones((16, 2), "float32"), np.ones((16, 1), "float32")
+        model.fit(x, y, batch_size=4, epochs=1, verbose=0)
+        before = model.b.kernel.numpy().copy()
+        model.fit(x, y, batch_size=4, epochs=1, verbose=0)
+    # Built once, on the variables its first apply named, as in stock Keras:
+    # SGD has no slots, only its step counter, which counts the 2 x 2 steps.
+    assert model.b_optimizer.built
+    assert [v.path for v in model.b_optimizer._trainable_variables] == [
+        v.path for v in model.b.trainable_variables]
+    assert int(model.b_optimizer.iterations.numpy()) == 4
+    assert np.abs(model.b.kernel.numpy() - before).max() > 1e-4
 
 
 def _second_optimizer_run(run_eagerly=False, epochs=2, callbacks=(), devices=TWO):
