@@ -227,7 +227,7 @@ class TowerModel(backend.tower_steps(), keras.Model):
                 # A model trained or loaded by Keras before goes on counting.
                 run.state.global_step = int(self.optimizer.iterations.numpy())
             steps = FitSteps(self, source, callbacks, steps_per_epoch, validation, verbose)
-            with self.engine.running():
+            with self.engine.running(source):
                 MainLoop(run).run(steps, initial_epoch + 1, epochs, steps_per_epoch,
                                   epoch_length=epoch_length)
         return self.history
@@ -255,7 +255,7 @@ class TowerModel(backend.tower_steps(), keras.Model):
         if not from_fit:
             self.engine.build_for(source, step="test")
         callbacks = arguments.inference_callbacks(self, callbacks, verbose, steps, source)
-        with self.engine.running():
+        with self.engine.running(source):
             logs = evaluate_loop(self, source, steps, callbacks)
         if return_dict:
             return logs
@@ -272,7 +272,7 @@ class TowerModel(backend.tower_steps(), keras.Model):
         source = self.engine.input_source(x, None, None, batch_size, method="predict", steps=steps)
         self.engine.build_for(source, step=None, with_targets=False)
         callbacks = arguments.inference_callbacks(self, callbacks, verbose, steps, source)
-        with self.engine.running():
+        with self.engine.running(source):
             return predict_loop(self, source, steps, callbacks)
 
     # ------------------------------------------------------------------

@@ -6,6 +6,7 @@ import gc
 import threading
 import time
 
+import keras
 import numpy as np
 import pytest
 import tensorflow as tf
@@ -55,6 +56,50 @@ def test_an_endless_generator_left_by_fit_is_closed_and_its_thread_ends(two_towe
     # The iterator is gone with fit: tf.data closes the generator, as
     # from_generator does, and the thread that ran it ends.
     assert _wait_for(lambda: closed and not _feed_threads()), (closed, _feed_threads())
+
+
+@pytest.mark.parametrize("prefetch", [0, 4])
+def test_a_run_stops_its_feeds_even_when_an_iterator_is_still_held(prefetch):
+    # Whoever keeps an iterator (a traceback, a cache), the generator is
+    # closed and the thread ends when the run that made it ends.
+    closed = []
+    source = kt.GeneratorInput(_id_batches(10**9, closed), SIGNATURE, prefetch=prefetch)
+    with source.reading():
+        held = iter(source.tower_dataset(kt.TowerInputContext(0, 1)))
+        first = next(held)
+        assert not closed
+    assert _wait_for(lambda: closed and not _feed_threads()), (closed, _feed_threads())
+    assert first[0].numpy()[0, 0] == 0
+    # The held iterator of the ended run ends (after what tf.data had read
+    # ahead), where its generator would go on for 10**9 items; a new run
+    # reads afresh.
+    assert len(list(held)) < 100
+    with source.reading():
+        again = next(iter(source.tower_dataset(kt.TowerInputContext(0, 1))))
+    assert again[0].numpy()[0, 0] == 0
+
+
+class _EvaluateTheSameSource(keras.callbacks.Callback):
+    def __init__(self, source):
+        super().__init__()
+        self.source = source
+        self.evaluations = 0
+
+    def on_train_batch_end(self, batch, logs=None):
+        self.model.evaluate(self.source, steps=1, verbose=0)
+        self.evaluations += 1
+
+
+def test_an_evaluate_inside_fit_stops_its_own_feeds_not_fits(two_towers):
+    recorder = Recorder()
+    model = mlp(recorder)
+    source = kt.GeneratorInput(_id_batches(10**9), SIGNATURE)
+    evaluating = _EvaluateTheSameSource(source)
+    model.fit(source, steps_per_epoch=3, epochs=2, verbose=0, callbacks=[evaluating])
+    assert evaluating.evaluations == 6
+    # fit's iterator goes on through both epochs: items 0..11, two a step.
+    assert _taken(recorder) == list(range(12))
+    assert _wait_for(lambda: not _feed_threads()), _feed_threads()
 
 
 @pytest.mark.parametrize("prefetch", [0, 1, 4])

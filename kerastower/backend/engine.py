@@ -217,6 +217,8 @@ class StepEngine:
             "XLA places inside the one jitted step. Read them from the compiled step's "
             "HLO instead (docs/jax.md).")
 
-    def running(self):
-        """The context `fit`, `evaluate` and `predict` run in."""
+    def running(self, source=None):
+        """The context `fit`, `evaluate` and `predict` run in, reading
+        `source` (what `input_source` made): nothing its iterators started
+        keeps running after it."""
         return contextlib.nullcontext()

@@ -13,8 +13,15 @@ is started by a one-item `from_generator` "session" whose generator stays
 suspended while the items flow; tf.data closes it when the iterator is
 destroyed (or the items end), and closing it stops the thread and closes
 the user's generator, as `from_generator` would.
+
+A run does not leave that to the garbage collector, which may keep an
+iterator (and so a thread and the user's generator) alive long after fit:
+the source's `SourceFeeds.reading()` context, which fit, evaluate and
+predict enter, stops every feed of the datasets made inside it when it
+ends, failed or not.
 """
 
+import contextlib
 import itertools
 import queue
 import threading
@@ -24,9 +31,12 @@ import numpy as np
 from kerastower._tf import tf
 from kerastower.errors import InputSourceError
 
-__all__ = ["feedable", "feed_dataset"]
+__all__ = ["feedable", "feed_dataset", "SourceFeeds"]
 
 _POLL_SECONDS = 0.1  # how often a thread waiting on a full queue checks for stop
+# How long a run's end waits for an item being made on demand before it
+# leaves closing the generator to the call that makes it.
+_CLOSE_WAIT_SECONDS = 5.0
 
 
 def feedable(signature):
@@ -50,6 +60,7 @@ class _Feed:
         self._name = name
         self._count = 0  # items taken from the iterator
         self._stop = threading.Event()
+        self._on_demand = threading.Lock()  # held while an item is made by `take`
         self._queue = None
         self._end = None  # the (done, error, None) entry, once taken
         if prefetch > 0:
@@ -100,9 +111,21 @@ class _Feed:
                 if entry[0]:
                     return
         finally:
-            close = getattr(self._iterator, "close", None)
-            if close is not None:
-                close()
+            self._close_iterator()
+
+    def _close_iterator(self):
+        close = getattr(self._iterator, "close", None)
+        if close is not None:
+            close()
+
+    def _make_on_demand(self):
+        with self._on_demand:
+            if self._stop.is_set():
+                return True, None, None
+            entry = self._next()
+            if self._stop.is_set():  # stopped while the item was made
+                self._close_iterator()
+            return entry
 
     def take(self):
         """The next item's arrays after a False; True and empty arrays at
@@ -111,7 +134,7 @@ class _Feed:
         entry = self._end
         while entry is None:
             if self._queue is None:
-                entry = self._next()
+                entry = self._make_on_demand()
             elif self._stop.is_set():
                 entry = (True, None, None)
             else:
@@ -129,11 +152,94 @@ class _Feed:
         return [np.bool_(False)] + arrays
 
     def stop(self):
+        """Ends the feed: its thread closes the generator and ends; on
+        demand, the generator is closed here, or by the `take` making an
+        item when that takes long (a generator is not closed mid-item)."""
         self._stop.set()
-        if self._queue is None:
-            close = getattr(self._iterator, "close", None)
-            if close is not None:
-                close()
+        if self._queue is None and self._on_demand.acquire(timeout=_CLOSE_WAIT_SECONDS):
+            try:
+                self._close_iterator()
+            finally:
+                self._on_demand.release()
+
+
+class _OpenFeeds:
+    """The feeds of one dataset's iterators, by key; once stopped, the
+    dataset's later iterators feed nothing."""
+
+    def __init__(self):
+        self._lock = threading.Lock()
+        self._feeds = {}
+        self._keys = itertools.count()
+        self._stopped = False
+
+    def open(self, make_feed):
+        """A new feed's key, or None when the dataset was stopped."""
+        with self._lock:
+            if self._stopped:
+                return None
+            key = next(self._keys)
+            self._feeds[key] = make_feed()
+            return key
+
+    def get(self, key):
+        with self._lock:
+            return self._feeds[key]
+
+    def close(self, key):
+        with self._lock:
+            feed = self._feeds.pop(key, None)
+        if feed is not None:
+            feed.stop()
+
+    def stop(self):
+        with self._lock:
+            self._stopped = True
+            # Kept until their iterators end: a stopped feed gives the end.
+            feeds = list(self._feeds.values())
+        for feed in feeds:
+            feed.stop()
+
+
+class SourceFeeds:
+    """The feeds of every dataset `feed_dataset` made for one source, so
+    that a run stops those it made (`reading`) and no other run's.
+
+    Examples:
+        >>> import numpy as np, tensorflow as tf
+        >>> from kerastower.inputs.python_feed import SourceFeeds, feed_dataset
+        >>> feeds = SourceFeeds()
+        >>> def items():
+        ...     while True:
+        ...         yield np.zeros((2,), "float32")
+        >>> with feeds.reading():
+        ...     dataset = feed_dataset(items, tf.TensorSpec((None,), tf.float32), 2,
+        ...                            "items", lambda error, good: None, feeds)
+        ...     next(iter(dataset)).shape.as_list()
+        [2]
+    """
+
+    def __init__(self):
+        self._datasets = []  # each dataset's _OpenFeeds, in the order made
+
+    def new_dataset(self):
+        opened = _OpenFeeds()
+        self._datasets.append(opened)
+        return opened
+
+    @contextlib.contextmanager
+    def reading(self):
+        """A run's context: the feeds of datasets made inside it stop when
+        it ends. Runs nest (an evaluate in a callback of fit): the inner one
+        stops only its own."""
+        first = len(self._datasets)
+        try:
+            yield
+        finally:
+            made = self._datasets[first:]
+            del self._datasets[first:]
+            for opened in made:
+                opened.stop()
 
 
 def _flatten_like(signature, item):
@@ -157,35 +263,29 @@ def _describe(item):
     return f"an item of structure {shapes}"
 
 
-def feed_dataset(make_iterator, signature, prefetch, name, on_error):
+def feed_dataset(make_iterator, signature, prefetch, name, on_error, source_feeds=None):
     """A dataset of the items of `make_iterator()` (a fresh iterator per
     dataset iterator), run ahead by `prefetch` items in a thread.
 
     `signature` must be `feedable`. An exception the iterator raises, or an
     item that does not match `signature`, is handed to `on_error(error,
     good items before it)` when met, and fails the get_next that reaches it
-    with its text (tf.data passes on only the text)."""
+    with its text (tf.data passes on only the text). `source_feeds`: the
+    source's `SourceFeeds`, whose `reading()` stops this dataset's feeds."""
     specs = tf.nest.flatten(signature)
-    feeds = {}
-    keys = itertools.count()
-    lock = threading.Lock()
+    feeds = (source_feeds or SourceFeeds()).new_dataset()
 
     def session():
-        feed = _Feed(make_iterator, signature, prefetch, name, on_error)
-        with lock:
-            key = next(keys)
-            feeds[key] = feed
+        key = feeds.open(lambda: _Feed(make_iterator, signature, prefetch, name, on_error))
+        if key is None:  # the run that made the dataset has ended
+            return
         try:
             yield key
         finally:
-            feed.stop()
-            with lock:
-                feeds.pop(key, None)
+            feeds.close(key)
 
     def take(key):
-        with lock:
-            feed = feeds[int(key)]
-        return feed.take()
+        return feeds.get(int(key)).take()
 
     def items(key):
         def one(_):

@@ -93,6 +93,10 @@ class PythonSourceInput(InputSource):
         self.repeat = repeat
         self.kind = source.kind
         self._signature = None
+        self._feeds = python_feed.SourceFeeds()
+
+    def _reading(self):
+        return self._feeds.reading()
 
     @property
     def per_tower(self):
@@ -140,7 +144,7 @@ class PythonSourceInput(InputSource):
         def record(error, good):
             failures.record_generator_error(error, name, good, tower)
 
-        dataset = python_feed.feed_dataset(make_items, self.signature(), 0, name, record)
+        dataset = python_feed.feed_dataset(make_items, self.signature(), 0, name, record, self._feeds)
         options = tf.data.Options()
         # Nothing is read before its step is due (see the module).
         options.experimental_optimization.inject_prefetch = False

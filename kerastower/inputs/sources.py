@@ -20,6 +20,7 @@ Python generators, iterables and `keras.utils.PyDataset`s (python_input.py).
 """
 
 import collections
+import contextlib
 import inspect
 
 import numpy as np
@@ -85,6 +86,31 @@ class InputSource:
 
     def _tower_dataset(self, ctx):
         raise NotImplementedError
+
+    def reading(self):
+        """A context for one run over this source: what the iterators made
+        inside it run in the background (the feed threads of a `GeneratorInput`
+        or a Python source) stops when it ends, and the generators they read
+        are closed, whoever still holds an iterator (a `GeneratorInput` of
+        other than dense numeric tensors runs in `from_generator`, which
+        closes its generator when the iterator is destroyed). `fit`, `evaluate` and `predict` read their
+        sources inside it; the source can be read again afterwards.
+
+        Examples:
+            >>> import numpy as np, tensorflow as tf, kerastower as kt
+            >>> def batches():
+            ...     while True:
+            ...         yield np.ones((2, 3), "float32")
+            >>> source = kt.GeneratorInput(batches, tf.TensorSpec((None, 3), tf.float32))
+            >>> with source.reading():
+            ...     first = next(iter(source.tower_dataset(kt.TowerInputContext(0, 1))))
+            >>> first.shape.as_list()
+            [2, 3]
+        """
+        return self._reading()
+
+    def _reading(self):
+        return contextlib.nullcontext()
 
     def distribute(self, strategy, skip_batches=None):
         """The per-tower batches of this source on a `TowerStrategy`.
@@ -274,6 +300,10 @@ class GeneratorInput(InputSource):
         self._generator_fn = generator_fn
         self._signature = output_signature
         self._prefetch = int(prefetch)
+        self._feeds = python_feed.SourceFeeds()
+
+    def _reading(self):
+        return self._feeds.reading()
 
     def _tower_dataset(self, ctx):
         name = f"GeneratorInput({getattr(self._generator_fn, '__qualname__', repr(self._generator_fn))})"
@@ -287,7 +317,7 @@ class GeneratorInput(InputSource):
 
         if python_feed.feedable(self._signature):
             return python_feed.feed_dataset(
-                self._generator_fn, self._signature, self._prefetch, name, record)
+                self._generator_fn, self._signature, self._prefetch, name, record, self._feeds)
         dataset = tf.data.Dataset.from_generator(
             lambda: self._recording_errors(record), output_signature=self._signature
         )

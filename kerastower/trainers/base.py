@@ -46,6 +46,7 @@ assert float(counter.count.numpy()) == 6.0
 ```
 """
 
+import contextlib
 import functools
 
 import keras
@@ -298,8 +299,9 @@ class Trainer:
         self._check_optimizers_are_on_the_model()
         self._build_compiled_optimizer()
         run = TrainingRun(self.model, self.loop, type(self).__name__)
+        reading = contextlib.nullcontext() if self._feed is None else self._feed.reading()
         try:
-            with run.training():
+            with run.training(), reading:
                 # Callbacks set up here see the trainer's loop as `model.loop`.
                 run.callbacks = callbacks = training_callbacks(
                     self.model, self.loop, callbacks, verbose, logdir, epochs=max_epoch,

@@ -5,6 +5,8 @@ A Python generator, iterator or iterable of batches, or a
 tower k of step s takes the source's batch s*N+k.
 """
 
+import contextlib
+
 import keras
 
 from kerastower.errors import InputSourceError
@@ -27,6 +29,11 @@ class JaxFeed:
         self.source = jax_sources.tower_batches(input)
         self.source.repeated = True   # an epoch is only a period: pass after pass
         self.iterator = None
+
+    def reading(self):
+        """The context a `train()` reads the input in: nothing runs in the
+        background here."""
+        return contextlib.nullcontext()
 
     def open(self, engine, skip_batches):
         """Opens the input on `engine`'s towers, less the `skip_batches` each

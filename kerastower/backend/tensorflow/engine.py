@@ -208,11 +208,12 @@ class TensorFlowEngine(StepEngine):
         return result
 
     @contextlib.contextmanager
-    def running(self):
+    def running(self, source=None):
         # An error a generator raised while no step ran (its dataset read
         # directly) is no step's.
         self.failures.clear()
-        with batch_checks.original_errors(self.failures):
+        reading = contextlib.nullcontext() if source is None else source.reading()
+        with batch_checks.original_errors(self.failures), reading:
             yield
 
 

@@ -27,6 +27,10 @@ class TensorFlowFeed:
         self.source = as_input_source(input)
         self.iterator = None
 
+    def reading(self):
+        """The context a `train()` reads the input in (InputSource.reading)."""
+        return self.source.reading()
+
     def open(self, engine, skip_batches):
         """Opens the input on `engine`'s towers (its generators' errors go to
         the engine's record), less the `skip_batches` each tower took before."""
