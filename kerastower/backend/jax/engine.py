@@ -192,7 +192,7 @@ class JaxEngine(StepEngine):
         return [s["peak_bytes_in_use"] for s in stats if s and "peak_bytes_in_use" in s]
 
     @contextlib.contextmanager
-    def running(self):
+    def running(self, source=None):
         try:
             yield
         finally:
