@@ -2,7 +2,7 @@
 
     KERAS_BACKEND=jax python benchmarks/jax_run.py [--steps 40] [--rounds 7]
         [--models small_mlp,mlp,convnet,resnet50] [--batch 64] [--towers 2] [--spe 8]
-        [--data-steps 64] [--dtype mixed_bfloat16]
+        [--data-steps 64] [--fixed-rounds 15] [--dtype mixed_bfloat16]
 
 On a GPU, the ResNet-50 anchor (docs/performance.md says how to send Keras
 to a machine that has JAX only):
@@ -75,7 +75,7 @@ def fit_runner(model, x, y, batch):
         x, y, batch_size=batch, steps_per_epoch=steps, epochs=1, verbose=0, callbacks=callbacks))
 
 
-def rows_for(build, batch, towers, steps, rounds, spe=8, data_steps=64):
+def rows_for(build, batch, towers, steps, rounds, spe=8, data_steps=64, fixed_rounds=15):
     # Stock Keras fit stops where arrays end: they hold every step a fit takes.
     data_steps = max(data_steps, harness.WARMUP + steps + spe)
     x, y = models.examples(build, data_steps * batch * max(towers, 1))
@@ -120,7 +120,7 @@ def rows_for(build, batch, towers, steps, rounds, spe=8, data_steps=64):
         fixed_tower = models.compile_model(build(kt.TowerModel), jit_compile=True)
     fixed_stock = models.compile_model(build(keras.Model), jit_compile=True)
     return rows + harness.fixed_costs(name, fixed_stock, fixed_tower, fixed_x, fixed_y, batch,
-                                      max(3, rounds // 2))
+                                      fixed_rounds)
 
 
 def main():
@@ -133,6 +133,9 @@ def main():
     parser.add_argument("--spe", type=int, default=8, help="steps_per_execution of the spe rows")
     parser.add_argument("--data-steps", type=int, default=64,
                         help="steps of examples in the arrays, at least those a fit takes")
+    parser.add_argument("--fixed-rounds", type=int, default=15,
+                        help="rounds of the fixed-cost rows (a fit costs a few ms: the VM's "
+                             "noise needs more rounds than the step rows)")
     parser.add_argument("--dtype", default="float32",
                         help="Keras dtype policy, e.g. mixed_bfloat16 (the GPU anchor)")
     args = parser.parse_args()
@@ -150,7 +153,7 @@ def main():
     for name in filter(None, args.models.split(",")):
         for case, what, wall, cpu, goal, detail in rows_for(
                 getattr(models, name), args.batch, args.towers, args.steps, args.rounds, args.spe,
-                args.data_steps):
+                args.data_steps, args.fixed_rounds):
             met = "" if goal is None else f">= {goal}" + (" met" if wall >= goal else " NOT met")
             cpu = "-" if cpu is None else f"{cpu:.3f}"
             print(f"| {case} | {what} | {wall:.3f} | {cpu} | {met} | {detail} |", flush=True)

@@ -68,6 +68,29 @@ def assert_equals_one_process(weights_file, result):
     assert result["predict_rows"] == 96
 
 
+def seeded_shuffle_fit(rank):
+    """`fit(x, y)` on arrays shuffled as Keras's default, with Keras's seed
+    set to another value on every process: all read the order the chief's
+    seed gives (stock Keras's on one device). Returns the weights."""
+    model = build()
+    keras.utils.set_random_seed(11 + rank)
+    x, y = data()
+    model.fit(x, y, batch_size=B, epochs=2, verbose=0)
+    return [w.tolist() for w in model.get_weights()]
+
+
+def assert_seeded_shuffle_equals_one_process(results):
+    """Each process's `seeded_shuffle_fit` equals one device on the joined
+    batch, seeded as the chief."""
+    model = build()
+    keras.utils.set_random_seed(11)
+    x, y = data()
+    model.fit(x, y, batch_size=2 * B, epochs=2, verbose=0)
+    for result in results:
+        for got, want in zip(result["seeded_shuffle"], model.get_weights()):
+            np.testing.assert_allclose(np.asarray(got), want, atol=1e-5)
+
+
 class NoiseFromInput(kt.GANModel):
     """Noise comes with the input, (real, noise): every run sees the same."""
 

@@ -44,6 +44,7 @@ def main(out):
         # keras.io's CycleGAN: its four optimizers build on first use, and
         # every worker builds them before the chief restores a checkpoint.
         "first_use_resume_equal": shared.optimizers_built_on_first_use_resume(out),
+        "seeded_shuffle": shared.seeded_shuffle_fit(worker),
     }
     with open(os.path.join(out, f"results_worker{worker}.json"), "w") as f:
         json.dump(result, f)

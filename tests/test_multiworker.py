@@ -98,6 +98,16 @@ def test_optimizers_built_on_first_use_resume_on_every_worker(workers):
     assert all(r["first_use_resume_equal"] for r in results), results
 
 
+def test_seeded_shuffled_arrays_follow_the_chiefs_keras_order(workers):
+    """fit(x, y) with Keras's seed set differently on each worker: both read
+    the order stock Keras gives one device with the chief's seed, and equal
+    that device on the joined batch."""
+    import horovod_script as shared
+
+    _, results = workers
+    shared.assert_seeded_shuffle_equals_one_process(results)
+
+
 def test_only_the_chief_writes_logs(workers):
     out, _ = workers
     assert (out / "logs_worker0" / "stats.json").exists()

@@ -14,8 +14,12 @@ from that pipeline (the indices are its only input). N towers read the
 order Keras gives one device with their joined batch (the per-tower
 batch x N), so they equal one device on the joined batches.
 
-Elsewhere (no seed, or several processes, which must agree on an order
-the chief draws) the passes follow `ArrayRows`'s own seeded order.
+Several processes read the chief's order: whether to follow Keras is the
+chief's choice (its seed), on JAX every process draws from a copy of the
+chief's numpy generator (the chief's own moves on as in stock Keras, the
+others' stay untouched), and on TensorFlow every process takes the order
+the chief's pipeline gives. Without the seed the passes follow
+`ArrayRows`'s own seeded order.
 
 Measured with Keras 3.15 on TensorFlow 2.21: with the seed set, stock
 Keras's pipeline gives every epoch the same order (a new iterator of one
@@ -64,6 +68,20 @@ class KerasPassOrder:
     def _read(self):
         return np.concatenate([np.asarray(batch) for batch in self._batches]).astype(np.int64)
 
+    def as_the_chiefs(self, strategy):
+        """This order made the chief's on every process of `strategy` (a
+        collective: every process calls it); None where the chief's pipeline
+        reshuffles every pass, which one broadcast cannot carry: the seeded
+        order then."""
+        chiefs = strategy.broadcast_object(
+            [self._same_every_pass, self._kept[0].tolist()] if strategy.is_chief else None)
+        same_every_pass, first = chiefs
+        if not same_every_pass:
+            return None
+        self._same_every_pass = True
+        self._kept = {0: np.asarray(first, np.int64)}
+        return self
+
     def __call__(self, pass_index):
         if self._same_every_pass:
             return self._kept[0]
@@ -90,8 +108,9 @@ class NumpyPassOrder:
     the order was made (fit's start); a run resumed in a new process that
     seeded numpy alike draws its passes as the first run did."""
 
-    def __init__(self, length, joined_batch, shuffle):
+    def __init__(self, length, joined_batch, shuffle, generator=np.random):
         self.key = (int(length), int(joined_batch), shuffle)
+        self._generator = generator  # numpy's global one, or a copy of the chief's
         self._peeked = False
         self._drawn = -1      # the last pass drawn from the global generator
         self._kept = {}
@@ -114,7 +133,7 @@ class NumpyPassOrder:
         if not self._peeked and self._drawn == -1:
             import jax
 
-            self._draw(np.random, first_batches=1 if jax.default_backend() == "cpu" else 2)
+            self._draw(self._generator, first_batches=1 if jax.default_backend() == "cpu" else 2)
             self._peeked = True
 
     def __call__(self, pass_index):
@@ -125,8 +144,8 @@ class NumpyPassOrder:
             replay.set_state(self._states[pass_index])
             return self._draw(replay)
         while self._drawn < pass_index:
-            self._states[self._drawn + 1] = np.random.get_state()
-            order = self._draw(np.random)
+            self._states[self._drawn + 1] = self._generator.get_state()
+            order = self._draw(self._generator)
             self._drawn += 1
             self._kept = {self._drawn: order}
         return self._kept[pass_index]
@@ -134,16 +153,30 @@ class NumpyPassOrder:
 
 def follow_keras(rows, strategy):
     """Sets `rows.pass_order` (an `ArrayRows`'s) to stock Keras's order on
-    this backend where one process reads the arrays, shuffled, and Keras's
-    seed is set; else to None (the seeded order). Made when fit begins."""
-    if not rows.shuffle or not strategy.single_process or _compat.keras_random_seed() is None:
-        rows.pass_order = None
+    this backend where the arrays are shuffled and Keras's seed is set (the
+    chief's, over several processes); else to None (the seeded order).
+    Made when fit begins, on every process: over several, a collective."""
+    rows.pass_order = None
+    if not rows.shuffle:
+        return
+    several = not strategy.single_process
+    seeded = _compat.keras_random_seed() is not None
+    if several:  # one process following Keras and another not would part ways
+        seeded = strategy.broadcast_object(seeded if strategy.is_chief else None)
+    if not seeded:
         return
     joined_batch = rows.batch_size * strategy.num_towers
     if keras.backend.backend() == "jax":
-        rows.pass_order = NumpyPassOrder(rows.length, joined_batch, rows.shuffle)
+        generator = np.random
+        if several:
+            state = strategy.broadcast_object(np.random.get_state() if strategy.is_chief else None)
+            if not strategy.is_chief:
+                generator = np.random.RandomState()
+                generator.set_state(state)
+        rows.pass_order = NumpyPassOrder(rows.length, joined_batch, rows.shuffle, generator)
     else:
-        rows.pass_order = KerasPassOrder(rows.length, joined_batch, rows.shuffle)
+        order = KerasPassOrder(rows.length, joined_batch, rows.shuffle)
+        rows.pass_order = order.as_the_chiefs(strategy) if several else order
 
 
 def order_kind(rows):
