@@ -217,6 +217,9 @@ def train(out):
         # build on first use, and a resume (the chief reads the checkpoint)
         # ends where an uninterrupted run does.
         results["first_use_resume_equal"] = optimizers_built_on_first_use_resume(out)
+
+        # 8. Shuffled arrays with Keras's seed set (another on each rank) read the chief's order.
+        results["seeded_shuffle"] = seeded_shuffle_fit(rank)
     with open(os.path.join(out, f"results_rank{rank}.json"), "w") as f:
         json.dump(results, f)
 

@@ -79,6 +79,15 @@ def test_two_ranks_equal_one_process_on_the_joined_batches(trained):
     script.assert_equals_one_process(out / "weights_rank0.npz", r0)
 
 
+def test_seeded_shuffled_arrays_follow_the_chiefs_keras_order_under_horovod(trained):
+    """fit(x, y) with Keras's seed set differently on each rank: both read
+    the order stock Keras gives one device with the chief's seed."""
+    import horovod_script as script
+
+    _, results = trained
+    script.assert_seeded_shuffle_equals_one_process(results)
+
+
 def test_trainers_under_horovod_equal_one_process(trained):
     """kt.GANTrainer and a k-means kt.Trainer on 2 ranks x batch 8 end where
     one process on batch 16 does, on both ranks."""
