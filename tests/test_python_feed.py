@@ -79,6 +79,21 @@ def test_a_run_stops_its_feeds_even_when_an_iterator_is_still_held(prefetch):
     assert again[0].numpy()[0, 0] == 0
 
 
+def test_a_generator_whose_close_raises_is_reported_and_fit_still_ends_well():
+    def batches():
+        try:
+            while True:
+                yield np.zeros((2, 4), "float32"), np.zeros((2,), "int32")
+        finally:
+            raise OSError("the socket was gone")
+
+    model = mlp()
+    with pytest.warns(RuntimeWarning, match=r"closing .* raised OSError: the socket was gone"):
+        history = model.fit(kt.GeneratorInput(batches, SIGNATURE, prefetch=0),
+                            steps_per_epoch=2, epochs=1, verbose=0)
+    assert len(history.history["loss"]) == 1
+
+
 class _EvaluateTheSameSource(keras.callbacks.Callback):
     def __init__(self, source):
         super().__init__()

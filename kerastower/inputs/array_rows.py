@@ -42,9 +42,9 @@ class ArrayRows:
     Attributes:
         pass_order: None, or a function of a pass's index giving its order,
             which then replaces the seeded one: the engine sets Keras's own
-            order there (that of stock `fit` with the same seed), where one
-            process reads the arrays and `keras.utils.set_random_seed` was
-            called.
+            order there (that of stock `fit` with the same seed), where
+            `keras.utils.set_random_seed` was called (the chief's, over
+            several processes).
     """
 
     def __init__(self, length, batch_size, shuffle=False, seed=None):

@@ -8,17 +8,19 @@ on JAX, it draws them from numpy's global generator, one permutation each
 time an epoch's iterator starts (and one more when fit first reads a batch
 to build the model), `NumpyPassOrder`.
 A user who switches to kerastower with the same seed must get the same
-numbers on one tower, so where one process reads the arrays and that seed
-was set, each pass's order is the one Keras's own pipeline gives, read
+numbers on one tower, so where that seed was set, each pass's order is
+the one Keras's own pipeline gives, read
 from that pipeline (the indices are its only input). N towers read the
 order Keras gives one device with their joined batch (the per-tower
 batch x N), so they equal one device on the joined batches.
 
 Several processes read the chief's order: whether to follow Keras is the
-chief's choice (its seed), on JAX every process draws from a copy of the
-chief's numpy generator (the chief's own moves on as in stock Keras, the
-others' stay untouched), and on TensorFlow every process takes the order
-the chief's pipeline gives. Without the seed the passes follow
+chief's choice (its seed), on JAX every process draws from its own copy
+of the chief's numpy generator, taken when fit begins (a callback's draw
+from numpy on one process cannot make them part; the chief's global
+generator is then set to where the copy is, the others' stay untouched),
+and on TensorFlow every process takes the order the chief's pipeline
+gives. Without the seed the passes follow
 `ArrayRows`'s own seeded order.
 
 Measured with Keras 3.15 on TensorFlow 2.21: with the seed set, stock
@@ -108,9 +110,13 @@ class NumpyPassOrder:
     the order was made (fit's start); a run resumed in a new process that
     seeded numpy alike draws its passes as the first run did."""
 
-    def __init__(self, length, joined_batch, shuffle, generator=np.random):
+    def __init__(self, length, joined_batch, shuffle, chiefs_copy=None, is_chief=True):
         self.key = (int(length), int(joined_batch), shuffle)
-        self._generator = generator  # numpy's global one, or a copy of the chief's
+        # Numpy's global generator; over several processes, a copy of the
+        # chief's, which every process draws from alike.
+        self._generator = np.random if chiefs_copy is None else chiefs_copy
+        self._shared = chiefs_copy is not None
+        self._moves_global = self._shared and is_chief
         self._peeked = False
         self._drawn = -1      # the last pass drawn from the global generator
         self._kept = {}
@@ -130,6 +136,11 @@ class NumpyPassOrder:
         """Draws what Keras's fit draws for the batch it builds the model
         from: one batch's worth, two where Keras-JAX reads one batch ahead
         (any device but the CPU)."""
+        if self._shared:
+            return  # drawn with the first pass on every process (_peek_once)
+        self._peek_once()
+
+    def _peek_once(self):
         if not self._peeked and self._drawn == -1:
             import jax
 
@@ -143,11 +154,17 @@ class NumpyPassOrder:
             replay = np.random.RandomState()
             replay.set_state(self._states[pass_index])
             return self._draw(replay)
+        if self._shared:
+            # Whether a process's fit built its model (and so peeked) is
+            # its own: every process draws the peek before the first pass.
+            self._peek_once()
         while self._drawn < pass_index:
             self._states[self._drawn + 1] = self._generator.get_state()
             order = self._draw(self._generator)
             self._drawn += 1
             self._kept = {self._drawn: order}
+        if self._moves_global:  # the chief's generator ends where stock Keras leaves it
+            np.random.set_state(self._generator.get_state())
         return self._kept[pass_index]
 
 
@@ -167,13 +184,13 @@ def follow_keras(rows, strategy):
         return
     joined_batch = rows.batch_size * strategy.num_towers
     if keras.backend.backend() == "jax":
-        generator = np.random
+        chiefs_copy = None
         if several:
-            state = strategy.broadcast_object(np.random.get_state() if strategy.is_chief else None)
-            if not strategy.is_chief:
-                generator = np.random.RandomState()
-                generator.set_state(state)
-        rows.pass_order = NumpyPassOrder(rows.length, joined_batch, rows.shuffle, generator)
+            chiefs_copy = np.random.RandomState()
+            chiefs_copy.set_state(strategy.broadcast_object(
+                np.random.get_state() if strategy.is_chief else None))
+        rows.pass_order = NumpyPassOrder(rows.length, joined_batch, rows.shuffle, chiefs_copy,
+                                         strategy.is_chief)
     else:
         order = KerasPassOrder(rows.length, joined_batch, rows.shuffle)
         rows.pass_order = order.as_the_chiefs(strategy) if several else order

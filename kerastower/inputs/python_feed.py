@@ -25,6 +25,8 @@ import contextlib
 import itertools
 import queue
 import threading
+import time
+import warnings
 
 import numpy as np
 
@@ -34,8 +36,9 @@ from kerastower.errors import InputSourceError
 __all__ = ["feedable", "feed_dataset", "SourceFeeds"]
 
 _POLL_SECONDS = 0.1  # how often a thread waiting on a full queue checks for stop
-# How long a run's end waits for an item being made on demand before it
-# leaves closing the generator to the call that makes it.
+# How long a run's end waits, for all its feeds together, for items being
+# made on demand before it leaves closing their generators to the calls
+# that make them.
 _CLOSE_WAIT_SECONDS = 5.0
 
 
@@ -61,6 +64,7 @@ class _Feed:
         self._count = 0  # items taken from the iterator
         self._stop = threading.Event()
         self._on_demand = threading.Lock()  # held while an item is made by `take`
+        self._closed = False
         self._queue = None
         self._end = None  # the (done, error, None) entry, once taken
         if prefetch > 0:
@@ -114,6 +118,10 @@ class _Feed:
             self._close_iterator()
 
     def _close_iterator(self):
+        # Once: an iterator's close() need not be safe to repeat (a socket).
+        if self._closed:
+            return
+        self._closed = True
         close = getattr(self._iterator, "close", None)
         if close is not None:
             close()
@@ -151,12 +159,22 @@ class _Feed:
             return [np.bool_(True)] + [_empty(spec) for spec in self._specs]
         return [np.bool_(False)] + arrays
 
-    def stop(self):
-        """Ends the feed: its thread closes the generator and ends; on
-        demand, the generator is closed here, or by the `take` making an
-        item when that takes long (a generator is not closed mid-item)."""
+    def request_stop(self):
+        """Asks the feed to end: `take` gives the end from now on, and its
+        thread closes the generator once the item it makes is made."""
         self._stop.set()
-        if self._queue is None and self._on_demand.acquire(timeout=_CLOSE_WAIT_SECONDS):
+
+    def stop(self, deadline=None):
+        """Ends the feed (`request_stop`). On demand, the generator is closed
+        here, waiting until `deadline` (a `time.monotonic()`; default
+        `_CLOSE_WAIT_SECONDS` from now) for an item being made, else by the
+        `take` making it: a generator is not closed mid-item."""
+        self.request_stop()
+        if self._queue is not None:
+            return
+        if deadline is None:
+            deadline = time.monotonic() + _CLOSE_WAIT_SECONDS
+        if self._on_demand.acquire(timeout=max(0.0, deadline - time.monotonic())):
             try:
                 self._close_iterator()
             finally:
@@ -192,13 +210,16 @@ class _OpenFeeds:
         if feed is not None:
             feed.stop()
 
-    def stop(self):
+    def request_stop(self):
+        """Stops the dataset: its later iterators feed nothing, and every
+        feed is asked to end; returns them (`_Feed.stop` finishes each)."""
         with self._lock:
             self._stopped = True
             # Kept until their iterators end: a stopped feed gives the end.
             feeds = list(self._feeds.values())
         for feed in feeds:
-            feed.stop()
+            feed.request_stop()
+        return feeds
 
 
 class SourceFeeds:
@@ -220,11 +241,15 @@ class SourceFeeds:
     """
 
     def __init__(self):
-        self._datasets = []  # each dataset's _OpenFeeds, in the order made
+        self._datasets = []  # the _OpenFeeds of datasets made in runs, in the order made
+        self._runs = 0  # the runs reading now (they nest)
 
     def new_dataset(self):
+        """A dataset's feeds; kept for the run reading now (outside any, as
+        a spec read before fit, tf.data's own end stops them)."""
         opened = _OpenFeeds()
-        self._datasets.append(opened)
+        if self._runs:
+            self._datasets.append(opened)
         return opened
 
     @contextlib.contextmanager
@@ -233,13 +258,29 @@ class SourceFeeds:
         it ends. Runs nest (an evaluate in a callback of fit): the inner one
         stops only its own."""
         first = len(self._datasets)
+        self._runs += 1
         try:
             yield
         finally:
+            self._runs -= 1
             made = self._datasets[first:]
             del self._datasets[first:]
-            for opened in made:
-                opened.stop()
+            _stop_all(made)
+
+
+def _stop_all(datasets):
+    """Stops every feed of `datasets`: all are asked first, then each is
+    finished against one deadline, so a run's end waits for slow items
+    once, not once per feed. A generator whose close() raises is reported,
+    not raised: the run's own outcome (its result, or its error) stands."""
+    feeds = [feed for opened in datasets for feed in opened.request_stop()]
+    deadline = time.monotonic() + _CLOSE_WAIT_SECONDS
+    for feed in feeds:
+        try:
+            feed.stop(deadline)
+        except Exception as error:  # noqa: BLE001 - the user's generator's close()
+            warnings.warn(f"kerastower: closing {feed._name} at the end of the run raised "
+                          f"{type(error).__name__}: {error}", RuntimeWarning, stacklevel=2)
 
 
 def _flatten_like(signature, item):

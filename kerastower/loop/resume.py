@@ -228,7 +228,7 @@ class Resumption:
         message = (
             f"{self.name}: the checkpoint's run read the shuffled arrays in {saved!r} order, "
             f"this run reads them in {now!r} order (stock Keras's order differs between "
-            "TensorFlow and JAX, and several processes agree on kerastower's seeded one): "
+            "TensorFlow and JAX, and is followed only where Keras's seed is set): "
             "from the resumed epoch on, the steps take other examples than the "
             "uninterrupted run, and the interrupted epoch may repeat or skip some. To "
             "resume exactly, resume where the checkpoint was written, or train with "
