@@ -187,3 +187,49 @@ def test_the_logs_read_across_towers_follow_a_recompile():
                   metrics=[keras.metrics.SparseCategoricalCrossentropy(from_logits=True, name="xent")])
     model.fit(x, y, batch_size=8, verbose=0)
     assert set(tf_step.logs_across_towers(model)) == set(model.get_metrics_result()) == {"loss", "xent"}
+
+
+def _loop_ops(function, iterator, num_steps):
+    graph = function.get_concrete_function(iterator, num_steps, True).graph
+    return [op.type for op in graph.get_operations() if op.type in ("While", "StatelessWhile")]
+
+
+def test_one_step_of_an_endless_input_runs_without_the_step_loop():
+    """One step a call from an endless input (arrays on one tower) is traced
+    straight, K steps a call keep the loop; both train as one device does
+    from a finite pipeline of the same batches (which keeps the loop)."""
+    from kerastower.inputs.sources import as_input_source
+
+    x, y = _data(n=48)
+    keras.utils.set_random_seed(3)
+    model = _model()
+    model.fit(x, y, batch_size=B, epochs=2, shuffle=False, verbose=0)
+    stream = as_input_source(x, y, batch_size=B).passes_in_a_row()
+    iterator = iter(model.engine.place(stream))
+    function = model.make_train_function()
+    assert _loop_ops(function, iterator, 1) == []
+    assert len(_loop_ops(function, iterator, tf.constant(3))) == 1
+
+    keras.utils.set_random_seed(3)
+    reference = _model()
+    pipeline = tf.data.Dataset.from_tensor_slices((x, y)).batch(B)
+    reference.fit(pipeline, epochs=2, verbose=0)
+    for a, b in zip(reference.get_weights(), model.get_weights()):
+        np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-6)
+
+
+def test_a_nan_in_a_straight_step_stops_at_that_step():
+    from kerastower.errors import NonFiniteError
+
+    x, y = _data(n=48)
+    x[21, 2] = np.nan  # step 3 (batches of 8) takes rows 16..23
+    keras.utils.set_random_seed(3)
+    model = _model()
+    with pytest.raises(NonFiniteError, match=r"step 3\b"):
+        model.fit(x, y, batch_size=B, epochs=1, shuffle=False, verbose=0)
+    assert int(model.optimizer.iterations.numpy()) == 2
+    keras.utils.set_random_seed(3)
+    reference = _model()
+    reference.fit(x[:16], y[:16], batch_size=B, epochs=1, shuffle=False, verbose=0)
+    for a, b in zip(reference.get_weights(), model.get_weights()):
+        np.testing.assert_array_equal(a, b)

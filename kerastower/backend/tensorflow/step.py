@@ -275,6 +275,17 @@ def make_step_function(model, tower_step, mode):
         return tf.nest.map_structure(strategy.concat_tower_outputs, outputs)
 
     def function(iterator, num_steps, endless=False):
+        if endless and isinstance(num_steps, int) and num_steps == 1:
+            # One step of an endless input (`run_steps` passes the Python
+            # int 1) runs straight, without the loop: the loop's frames
+            # cost about 0.2 ms a call, 8% of a small MLP's step on a
+            # 2-core CPU.
+            reduced, tower_examples, per_tower = run_towers(iterator.get_next())
+            finite, bad_towers = nonfinite.step_health(strategy, per_tower)
+            step_values = (tf.zeros([0], tf.float32) if reduced is None
+                           else strategy.tower_values(reduced)[0])
+            return results(tf.constant(1), tf.reduce_sum(tower_examples), tower_examples,
+                           tf.cast(tower_examples > 0, tf.int32), finite, bad_towers, step_values)
         steps = tf.constant(0)
         examples = tf.constant(0)
         tower_examples = tf.zeros([strategy.num_towers], tf.int32)
@@ -299,6 +310,11 @@ def make_step_function(model, tower_step, mode):
             finite, bad_towers = nonfinite.step_health(strategy, per_tower)
             if not finite:
                 break
+        return results(steps, examples, tower_examples, tower_batches, finite, bad_towers, step_values)
+
+    def results(steps, examples, tower_examples, tower_batches, finite, bad_towers, step_values):
+        """What a step function returns: (counters, logs) or (counters,
+        logs, final logs)."""
         # Metrics read across towers sum every tower's totals and counts:
         # the logs are example-weighted over towers. Where towers span
         # processes that is a collective: the steps give this process's
@@ -383,7 +399,10 @@ def run_steps(function, iterator, num_steps, what="step", endless=False, failure
     `failures` is the run's StepFailures, whose generator error a failed
     step names (step_errors.py)."""
     try:
-        counters, outputs, *final = _call(function, iterator, _as_tensor(num_steps), endless)
+        # One step of an endless input is passed as the Python int, which
+        # the step function runs without its loop.
+        steps_arg = 1 if endless and num_steps == 1 else _as_tensor(num_steps)
+        counters, outputs, *final = _call(function, iterator, steps_arg, endless)
     except tf.errors.OutOfRangeError:
         return StepsRun(0, 0, None, 0, None, None)
     except tf.errors.UnavailableError as error:
@@ -408,7 +427,7 @@ def run_steps(function, iterator, num_steps, what="step", endless=False, failure
 
 
 # Per iterator (held weakly: the input's end comes with its iterator's), the
-# step calls bound to it: {(function, num_steps.ref(), endless): call}.
+# step calls bound to it: {(function, num_steps (an int, or a tensor's ref), endless): call}.
 _bound_calls = weakref.WeakKeyDictionary()
 
 
@@ -420,7 +439,7 @@ def _call(function, iterator, num_steps, endless):
     if not hasattr(function, "get_concrete_function"):  # run_eagerly
         return function(iterator, num_steps, endless)
     calls = _bound_calls.setdefault(iterator, {})
-    key = (function, num_steps.ref(), endless)
+    key = (function, num_steps if isinstance(num_steps, int) else num_steps.ref(), endless)
     call = calls.get(key)
     if call is None:
         concrete = traced(function, iterator, num_steps, endless)
