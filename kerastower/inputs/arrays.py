@@ -119,6 +119,8 @@ class ArrayInput(DatasetInput):
         # tower reads the passes in a row instead (`passes_in_a_row`).
         self._dataset, self._fn, self.per_tower = None, None, False
         self._built_for = None
+        self._tensors = None  # the arrays as tensors, made when first gathered
+        self._index_cache = None  # ((first pass, seed), the index batches)
 
     def element_spec(self, total):
         """The spec of a batch, from the arrays (no pipeline is built)."""
@@ -140,8 +142,7 @@ class ArrayInput(DatasetInput):
         the rows (`_gathered`), far cheaper than batching rows one by one.
         Kept while the pass and seed stay (the towers' shares read it)."""
         key = (self._first_pass, self.rows.seed)
-        cached = getattr(self, "_index_cache", None)
-        if cached is None or cached[0] != key:
+        if self._index_cache is None or self._index_cache[0] != key:
             self._index_cache = (key, self._make_index_batches())
         return self._index_cache[1]
 
@@ -169,7 +170,7 @@ class ArrayInput(DatasetInput):
         return tf.data.Dataset.counter(self._first_pass).map(batches_of).unbatch()
 
     def _gathered(self, indices):
-        if not hasattr(self, "_tensors"):
+        if self._tensors is None:
             # Copied into tensors once, not at every pipeline built.
             self._tensors = tf.nest.map_structure(_as_tensor, self._element)
         arrays = tf.data.Dataset.from_tensors(self._tensors).repeat()

@@ -88,13 +88,19 @@ class InputSource:
         raise NotImplementedError
 
     def reading(self):
-        """A context for one run over this source: what the iterators made
-        inside it run in the background (the feed threads of a `GeneratorInput`
-        or a Python source) stops when it ends, and the generators they read
-        are closed, whoever still holds an iterator (a `GeneratorInput` of
-        other than dense numeric tensors runs in `from_generator`, which
-        closes its generator when the iterator is destroyed). `fit`, `evaluate` and `predict` read their
-        sources inside it; the source can be read again afterwards.
+        """A context for one run over this source: the background work of the
+        iterators made inside it stops when it ends, whoever still holds
+        one of them.
+
+        A `GeneratorInput`'s read-ahead thread (prefetch > 0) stops and
+        closes its generator once the item it is making is made (a
+        generator is never closed mid-item); a generator read on demand
+        (prefetch 0, and Python sources on TensorFlow) is closed when the
+        run ends, or right after an item still being made. A
+        `GeneratorInput` of other than dense numeric tensors runs in
+        `from_generator`, which closes its generator when the iterator is
+        destroyed. `fit`, `evaluate` and `predict` read their sources
+        inside it; the source can be read again afterwards.
 
         Examples:
             >>> import numpy as np, tensorflow as tf, kerastower as kt

@@ -40,7 +40,10 @@ def record(ctx, step_finite, tower_gradients):
     """Notes on the tower's context whether the step's reduced gradients
     (`step_finite`) and the tower's own (weighted) ones were finite. The
     tower's own are only checked when the step's were not."""
-    own = tf.cond(step_finite, lambda: tf.constant(True), lambda: all_finite(tower_gradients))
+    if ctx.total == 1:  # the tower's gradients are the step's
+        own = step_finite
+    else:
+        own = tf.cond(step_finite, lambda: tf.constant(True), lambda: all_finite(tower_gradients))
     previous = getattr(ctx, "nonfinite_flags", None)
     if previous is not None:
         step_finite = tf.logical_and(previous[0], step_finite)
