@@ -178,7 +178,7 @@ REVIEWED_MODULE_STATE = {
     ("kerastower.strategies.switch", "_warned_stock_models"),  # weak: models die with their users
     ("kerastower.backend.tensorflow.xla", "_warned"),
     ("kerastower.functional", "_FUNCTIONAL_TWINS"),
-    # A cache keyed weakly by the traced function: dropped with it.
+    # A cache keyed weakly by the iterator it binds: dropped with it.
     ("kerastower.backend.tensorflow.step", "_bound_calls"),
     # The folders this process holds locked (a count per folder), which
     # is the process's, not a run's: two runs in one process share a lock

@@ -194,16 +194,35 @@ def _loop_ops(function, iterator, num_steps):
     return [op.type for op in graph.get_operations() if op.type in ("While", "StatelessWhile")]
 
 
+class _StepCalls(keras.callbacks.Callback):
+    """Notes, at every batch's end, the `num_steps` of the step calls bound
+    so far (a Python int: the straight step)."""
+
+    def __init__(self):
+        super().__init__()
+        self.num_steps = set()
+
+    def on_train_batch_end(self, batch, logs=None):
+        from kerastower.backend.tensorflow import step as tf_step
+
+        for calls in list(tf_step._bound_calls.values()):
+            self.num_steps.update(type(key[1]).__name__ for key in calls)
+
+
 def test_one_step_of_an_endless_input_runs_without_the_step_loop():
     """One step a call from an endless input (arrays on one tower) is traced
-    straight, K steps a call keep the loop; both train as one device does
-    from a finite pipeline of the same batches (which keeps the loop)."""
+    straight and `fit` calls it so; K steps a call keep the loop, also for
+    an epoch's last call of one step; all train, count and log as one
+    device does from a finite pipeline of the same batches (which keeps
+    the loop)."""
     from kerastower.inputs.sources import as_input_source
 
     x, y = _data(n=48)
     keras.utils.set_random_seed(3)
     model = _model()
-    model.fit(x, y, batch_size=B, epochs=2, shuffle=False, verbose=0)
+    calls = _StepCalls()
+    history = model.fit(x, y, batch_size=B, epochs=2, shuffle=False, verbose=0, callbacks=[calls])
+    assert "int" in calls.num_steps
     stream = as_input_source(x, y, batch_size=B).passes_in_a_row()
     iterator = iter(model.engine.place(stream))
     function = model.make_train_function()
@@ -213,8 +232,22 @@ def test_one_step_of_an_endless_input_runs_without_the_step_loop():
     keras.utils.set_random_seed(3)
     reference = _model()
     pipeline = tf.data.Dataset.from_tensor_slices((x, y)).batch(B)
-    reference.fit(pipeline, epochs=2, verbose=0)
+    expected = reference.fit(pipeline, epochs=2, verbose=0)
     for a, b in zip(reference.get_weights(), model.get_weights()):
+        np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-6)
+    for key in expected.history:
+        np.testing.assert_allclose(history.history[key], expected.history[key], rtol=1e-6)
+    assert model.loop.examples_seen == reference.loop.examples_seen == 96
+    assert model.loop.tower_batches == reference.loop.tower_batches
+
+    # 6 batches a pass in calls of 5: the last call of each epoch is one
+    # step, and still runs the loop's trace (no second trace).
+    keras.utils.set_random_seed(3)
+    several = _model(steps_per_execution=5)
+    calls = _StepCalls()
+    several.fit(x, y, batch_size=B, epochs=2, shuffle=False, verbose=0, callbacks=[calls])
+    assert calls.num_steps and "int" not in calls.num_steps
+    for a, b in zip(reference.get_weights(), several.get_weights()):
         np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-6)
 
 

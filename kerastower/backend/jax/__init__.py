@@ -3,5 +3,6 @@
 `step.py` runs the model's own JAX `train_step` once per tower inside one
 `shard_map` and reduces the gradients there; `placement.py` puts each
 tower's batch on its device; `towers.py` what every tower step does to its
-values; `sync.py` writes the towers' weights back to the Keras variables.
+values; `tower_state.py` what the towers hold between calls and when the
+Keras variables get it; `sync.py` synchronized BatchNormalization.
 """

@@ -103,7 +103,7 @@ class TensorFlowEngine(StepEngine):
         batch_checks.build_for(self.model, source, with_targets, step)
 
     def fit_feed(self, source, steps_per_epoch, steps_per_call):
-        return _Feed(self.model, source, steps_per_epoch)
+        return _Feed(self.model, source, steps_per_epoch, steps_per_call)
 
     def place(self, source, pass_index=0, skip_batches=None):
         """The source's pipelines, placed on the towers by the strategy (a
@@ -239,10 +239,11 @@ def _gpus():
 class _Feed(Feed):
     """fit's per-tower iterators over an InputSource."""
 
-    def __init__(self, model, source, steps_per_epoch):
+    def __init__(self, model, source, steps_per_epoch, steps_per_call):
         self.model = model
         self.source = source
         self.steps_per_epoch = steps_per_epoch
+        self.steps_per_call = steps_per_call
         self.function = model.make_train_function()
         self.endless = False
 
@@ -301,7 +302,8 @@ class _Feed(Feed):
         first = loop.global_step + 1
         what = f"Training step {first}" + (f" (or up to {first + num_steps - 1})" if num_steps > 1 else "")
         run = tf_step.run_steps(self.function, self.iterator, num_steps, what, self.endless,
-                                failures=self.model.engine.failures)
+                                failures=self.model.engine.failures,
+                                one_step_calls=self.steps_per_call == 1)
         # The failed step's batches were taken, but its update was not applied.
         done = run.steps - (run.nonfinite_towers is not None)
         return StepRun(

@@ -217,7 +217,9 @@ def _run_unless_empty(test_step, data, examples, values):
 
 
 def make_step_function(model, tower_step, mode):
-    """A function `f(iterator, num_steps)` running up to `num_steps` steps.
+    """A function `f(iterator, num_steps, endless=False)` running up to
+    `num_steps` steps (a tensor; the Python int 1 with `endless` runs one
+    step without the step loop).
 
     It returns (steps run, examples seen, last step's examples per tower,
     batches each tower took, logs). Training and evaluation stop early,
@@ -391,17 +393,23 @@ def logs_across_towers(model):
     return cache.read_logs()
 
 
-def run_steps(function, iterator, num_steps, what="step", endless=False, failures=None):
+def run_steps(function, iterator, num_steps, what="step", endless=False, failures=None,
+              one_step_calls=False):
     """Runs up to `num_steps` steps of a step function; returns a StepsRun.
 
     `what` names the steps in errors (e.g. "Training step 12"); `endless`
     says that no tower's input can run out (see `TowerStrategy.next_step`);
     `failures` is the run's StepFailures, whose generator error a failed
-    step names (step_errors.py)."""
+    step names (step_errors.py); `one_step_calls` says that every call runs
+    one step (`steps_per_execution=1`)."""
     try:
-        # One step of an endless input is passed as the Python int, which
-        # the step function runs without its loop.
-        steps_arg = 1 if endless and num_steps == 1 else _as_tensor(num_steps)
+        # Calls of one step from an endless input pass the Python int 1,
+        # which the step function runs without its loop. Only where every
+        # call is of one step: an epoch's last, shorter call of
+        # `steps_per_execution=k` reuses the loop's trace (a second trace
+        # of a large model, or its XLA compilation, costs seconds).
+        straight = endless and one_step_calls and num_steps == 1
+        steps_arg = 1 if straight else _as_tensor(num_steps)
         counters, outputs, *final = _call(function, iterator, steps_arg, endless)
     except tf.errors.OutOfRangeError:
         return StepsRun(0, 0, None, 0, None, None)
