@@ -196,17 +196,25 @@ def _loop_ops(function, iterator, num_steps):
 
 class _StepCalls(keras.callbacks.Callback):
     """Notes, at every batch's end, the `num_steps` of the step calls bound
-    so far (a Python int: the straight step)."""
+    to the iterators of this fit (a Python int: the straight step); those
+    of iterators from before it, still alive, are left out."""
 
     def __init__(self):
         super().__init__()
         self.num_steps = set()
+        self._before = []
+
+    def on_train_begin(self, logs=None):
+        from kerastower.backend.tensorflow import step as tf_step
+
+        self._before = list(tf_step._bound_calls.keys())
 
     def on_train_batch_end(self, batch, logs=None):
         from kerastower.backend.tensorflow import step as tf_step
 
-        for calls in list(tf_step._bound_calls.values()):
-            self.num_steps.update(type(key[1]).__name__ for key in calls)
+        for iterator, calls in list(tf_step._bound_calls.items()):
+            if not any(iterator is old for old in self._before):
+                self.num_steps.update(type(key[1]).__name__ for key in calls)
 
 
 def test_one_step_of_an_endless_input_runs_without_the_step_loop():
