@@ -168,7 +168,7 @@ REVIEWED_MODULE_STATE = {
     ("kerastower.backend.tensorflow.collectives", "_active"),
     ("kerastower.strategies.switch", "_local"),
     ("kerastower.tower", "_local"),
-    # The optimizers first used in the step `step.traced` is tracing, and
+    # The optimizers first used in the step `step_calls.traced` is tracing, and
     # whether it is tracing one: emptied when that trace ends (a trace is
     # synchronous; the towers' threads all note into it).
     ("kerastower.backend.tensorflow.gradients", "_first_uses"),
@@ -179,7 +179,7 @@ REVIEWED_MODULE_STATE = {
     ("kerastower.backend.tensorflow.xla", "_warned"),
     ("kerastower.functional", "_FUNCTIONAL_TWINS"),
     # A cache keyed weakly by the iterator it binds: dropped with it.
-    ("kerastower.backend.tensorflow.step", "_bound_calls"),
+    ("kerastower.backend.tensorflow.step_calls", "_bound_calls"),
     # The folders this process holds locked (a count per folder), which
     # is the process's, not a run's: two runs in one process share a lock
     # (a log folder that is also the checkpoint folder); emptied as they

@@ -177,16 +177,16 @@ def test_reading_example_weight_in_a_tower_still_works():
 def test_the_logs_read_across_towers_follow_a_recompile():
     """Where towers span processes, the loops read the metrics through one
     compiled function; compile() replaces the metrics, so it must too."""
-    from kerastower.backend.tensorflow import step as tf_step
+    from kerastower.backend.tensorflow import step_calls
 
     x, y = _data(16)
     model = _model(norm=False)
     model.fit(x, y, batch_size=8, verbose=0)
-    assert set(tf_step.logs_across_towers(model)) == {"loss", "accuracy"}
+    assert set(step_calls.logs_across_towers(model)) == {"loss", "accuracy"}
     model.compile(optimizer="sgd", loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
                   metrics=[keras.metrics.SparseCategoricalCrossentropy(from_logits=True, name="xent")])
     model.fit(x, y, batch_size=8, verbose=0)
-    assert set(tf_step.logs_across_towers(model)) == set(model.get_metrics_result()) == {"loss", "xent"}
+    assert set(step_calls.logs_across_towers(model)) == set(model.get_metrics_result()) == {"loss", "xent"}
 
 
 def _loop_ops(function, iterator, num_steps):
@@ -205,14 +205,14 @@ class _StepCalls(keras.callbacks.Callback):
         self._before = []
 
     def on_train_begin(self, logs=None):
-        from kerastower.backend.tensorflow import step as tf_step
+        from kerastower.backend.tensorflow import step_calls
 
-        self._before = list(tf_step._bound_calls.keys())
+        self._before = list(step_calls._bound_calls.keys())
 
     def on_train_batch_end(self, batch, logs=None):
-        from kerastower.backend.tensorflow import step as tf_step
+        from kerastower.backend.tensorflow import step_calls
 
-        for iterator, calls in list(tf_step._bound_calls.items()):
+        for iterator, calls in list(step_calls._bound_calls.items()):
             if not any(iterator is old for old in self._before):
                 self.num_steps.update(type(key[1]).__name__ for key in calls)
 

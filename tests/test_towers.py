@@ -316,9 +316,9 @@ def test_frozen_layers_are_not_copied_between_towers(two_towers):
     frozen = keras.layers.Dense(8, trainable=False)
     bn = keras.layers.BatchNormalization()
     model = kt.TowerModel(inputs, keras.layers.Dense(1)(bn(frozen(inputs))))
-    from kerastower.backend.tensorflow import step as tf_step
+    from kerastower.backend.tensorflow import tower_scope
 
-    local = {id(w) for w in tf_step._replica_local_weights(model)}
+    local = {id(w) for w in tower_scope._replica_local_weights(model)}
     assert local == {id(bn.moving_mean), id(bn.moving_variance)}
 
 

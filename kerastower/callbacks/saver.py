@@ -14,7 +14,7 @@ callbacks = [
 A checkpoint holds the weights, the optimizer's slots and step counter, the
 random-number states, the loop state (epoch, steps) and the input position
 (batches each tower took), with a manifest of checksums, in a folder written
-under a temporary name and renamed into place (`kerastower/checkpoint/store.py`):
+under a temporary name and renamed into place (`kerastower/checkpoint/store.py`; read back by `restore.py`):
 a kill during a save leaves the previous checkpoint as the newest, and a
 damaged checkpoint is skipped for the one before it.
 """
@@ -23,6 +23,7 @@ import os
 import time
 import warnings
 
+from kerastower.checkpoint import restore as checkpoint_restore
 from kerastower.checkpoint import store as checkpoint
 from kerastower.checkpoint import files as checkpoint_files
 from kerastower.arguments import integer
@@ -347,7 +348,7 @@ class AutoResume(Callback):
         optimizers that build on first use), or None; read on the chief."""
         if not os.path.isdir(self.checkpoint_dir):
             return None
-        return checkpoint.saved_optimizer_builds(self.checkpoint_dir)
+        return checkpoint_restore.saved_optimizer_builds(self.checkpoint_dir)
 
     def restore_training_state(self):
         """Restores the newest intact checkpoint into the model; returns its
@@ -360,7 +361,7 @@ class AutoResume(Callback):
                 "file, not a folder. Give the folder ModelSaver writes into."
             )
         checkpoint.clean_up(self.checkpoint_dir)
-        path, values = checkpoint.restore_latest(
+        path, values = checkpoint_restore.restore_latest(
             self.checkpoint_dir, self.model, allow_partial=self.allow_partial
         )
         if path is None:

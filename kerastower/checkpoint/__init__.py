@@ -1,7 +1,7 @@
 """Checkpoints: what one holds, written so that a kill never leaves it half-written.
 
-The modules: `store.py` writes, reads, lists and verifies checkpoint
-folders (`kt.checkpoint.*`); `files.py` the atomic, checksummed files and
+The modules: `store.py` writes, lists and verifies checkpoint folders
+(`kt.checkpoint.*`); `restore.py` reads one back into a model; `files.py` the atomic, checksummed files and
 manifest; `trust.py` the checks of every field a reader uses; `keys.py`
 each variable's key; `places.py` where each automatically named layer
 sits; `variables.py` the variables' file, the same on every backend;
@@ -70,14 +70,14 @@ Examples:
     'ckpt-00000002'
 """
 
-from kerastower.checkpoint.store import CheckpointMismatchError
+from kerastower.checkpoint.restore import CheckpointMismatchError
+from kerastower.checkpoint.restore import read_checkpoint
+from kerastower.checkpoint.restore import restore_latest
 from kerastower.checkpoint.store import DamagedCheckpointError
 from kerastower.checkpoint.store import NonFiniteCheckpointError
 from kerastower.checkpoint.store import clean_up
 from kerastower.checkpoint.store import latest_checkpoint
 from kerastower.checkpoint.store import list_checkpoints
-from kerastower.checkpoint.store import read_checkpoint
-from kerastower.checkpoint.store import restore_latest
 from kerastower.checkpoint.store import verify_checkpoint
 from kerastower.checkpoint.store import write_checkpoint
 

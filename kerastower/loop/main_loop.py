@@ -261,7 +261,7 @@ class MainLoop:
         `steps_per_epoch` None makes an epoch one pass over the input (whose
         length, if known, is `epoch_length`).
         """
-        model, loop, callbacks = self.model, self.loop, self.callbacks
+        model, loop = self.model, self.loop
         self.training_run.hand_to_callbacks()
         check_strategy(model, self.name)
         loop.starting_epoch = starting_epoch

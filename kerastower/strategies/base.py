@@ -141,7 +141,7 @@ class TowerStrategy:
 
     def seed_towers_apart(self, model):
         """Gives every tower its own random streams (see tf_step)."""
-        from kerastower.backend.tensorflow.step import seed_towers_apart
+        from kerastower.backend.tensorflow.tower_scope import seed_towers_apart
         seed_towers_apart(model)
 
     def broadcast_object(self, obj):

@@ -181,7 +181,6 @@ class TowerSteps(TowerState):
 
     def test(self, batches):
         """One evaluation step on one batch per tower; returns the logs."""
-        model = self.model
         state = (*self._current_state()[:2], self._metric_state())
         function = self._function("test", self._test_body)
         metrics, self._summed_metrics, logs, values = function(state, self.place(batches))

@@ -21,7 +21,7 @@ from kerastower.backend.tensorflow import batch_checks
 from kerastower.backend.tensorflow import feeding
 from kerastower.backend.tensorflow.gradients import GradientPresence
 from kerastower.backend.tensorflow.tower_function import TowerFunctionRunner
-from kerastower.backend.tensorflow import step as tf_step
+from kerastower.backend.tensorflow import step_calls
 from kerastower.backend.tensorflow import step_errors
 from kerastower.backend.tensorflow import xla
 from kerastower import arguments
@@ -117,7 +117,7 @@ class TensorFlowEngine(StepEngine):
             return source.distribute(self.model.tower_strategy, **kwargs)
 
     def test_steps(self, iterator, num_steps, first_step):
-        run = tf_step.run_steps(self.model.make_test_function(), iterator, num_steps,
+        run = step_calls.run_steps(self.model.make_test_function(), iterator, num_steps,
                                 f"Evaluation step {first_step + 1}", failures=self.failures)
         return StepRun(taken=run.steps, done=run.steps, logs=run.logs, final_logs=run.final_logs)
 
@@ -188,7 +188,7 @@ class TensorFlowEngine(StepEngine):
         if logs and not self.model.tower_strategy.single_process:
             # The steps gave this process's metrics; the result is all towers'.
             # (Values the step returned were reduced over every tower already.)
-            across = tf_step.logs_across_towers(self.model)
+            across = step_calls.logs_across_towers(self.model)
             return {key: across.get(key, value) for key, value in logs.items()}
         return dict(logs)
 
@@ -301,7 +301,7 @@ class _Feed(Feed):
     def run(self, num_steps, loop):
         first = loop.global_step + 1
         what = f"Training step {first}" + (f" (or up to {first + num_steps - 1})" if num_steps > 1 else "")
-        run = tf_step.run_steps(self.function, self.iterator, num_steps, what, self.endless,
+        run = step_calls.run_steps(self.function, self.iterator, num_steps, what, self.endless,
                                 failures=self.model.engine.failures,
                                 one_step_calls=self.steps_per_call == 1)
         # The failed step's batches were taken, but its update was not applied.

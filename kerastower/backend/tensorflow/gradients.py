@@ -105,7 +105,7 @@ def _example_weighted_sum(ctx, gradients, variables, key):
 
 
 class OptimizerFirstUse(Exception):
-    """Raised while a step is traced by `step.traced`, where an optimizer is
+    """Raised while a step is traced by `step_calls.traced`, where an optimizer is
     first used inside a tower (noted in `_first_uses`): `traced` builds it
     outside the towers, on the variables it was asked to update
     (`build_first_used`), and traces the step again. So every optimizer
@@ -115,7 +115,7 @@ class OptimizerFirstUse(Exception):
 
 
 # (optimizer, variables, strategy) of each optimizer first used in the
-# trace `step.traced` is making (`_retrying` > 0 while it does): the trace
+# trace `step_calls.traced` is making (`_retrying` > 0 while it does): the trace
 # is synchronous, and the towers' threads share the list.
 _first_uses = []
 _retrying = [0]
@@ -227,7 +227,7 @@ def _duplicates_summed(gradient):
     return tf.IndexedSlices(values, indices, gradient.dense_shape)
 
 
-# Entered by every TensorFlow tower (step.tower_scope), left when it ends.
+# Entered by every TensorFlow tower (tower_scope.tower_scope), left when it ends.
 TOWER_PATCHES = _compat.tower_patches(apply_in_tower)
 
 

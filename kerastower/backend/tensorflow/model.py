@@ -14,6 +14,7 @@ from kerastower import _compat
 from kerastower.backend.tensorflow import batch_checks
 from kerastower.backend.tensorflow import gradients as tower_gradients
 from kerastower.backend.tensorflow import step as tf_step
+from kerastower.backend.tensorflow import tower_scope
 from kerastower.backend.tensorflow import xla
 from kerastower.errors import TowerRuleError
 
@@ -65,7 +66,7 @@ class TowerModelBackend:
         size, sets the share `optimizer.apply` weights its gradients by
         (default: 1/N). Yields the TowerContext.
         """
-        return tf_step.tower_scope(self, is_training, step_name, name=name, examples=examples)
+        return tower_scope.tower_scope(self, is_training, step_name, name=name, examples=examples)
 
     def _call_tower(self, x, training):
         if _compat.call_has_training_arg(self):
