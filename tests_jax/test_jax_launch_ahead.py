@@ -170,3 +170,44 @@ def test_every_call_launched_ahead_is_used_when_no_callback_sets_a_weight():
     checked.fit(x, y, batch_size=8, epochs=2, verbose=0, callbacks=[ReadsTheWeights()])
     # 2 epochs of 12 steps, each launched once: none dropped and run again.
     assert len(launches) == 24
+
+
+def _flag_reads(monkeypatch, model):
+    """Spies on the real `first_nonfinite_step`: for each read of a call's
+    flags, whether the loop had already ended the epoch's steps."""
+    from kerastower.backend.jax import step as jax_step
+
+    reads = []
+    read = jax_step.first_nonfinite_step
+
+    def spy(finite):
+        if finite is not None:
+            reads.append(model.loop.epoch_ended)
+        return read(finite)
+
+    monkeypatch.setattr(jax_step, "first_nonfinite_step", spy)
+    return reads
+
+
+@pytest.mark.parametrize("steps_per_execution", [1, 4])
+def test_the_epochs_last_call_reads_its_flags_at_the_epochs_end_unless_a_callback_reads_steps(
+        monkeypatch, steps_per_execution):
+    checked, unchecked = _pair()
+    for model in (checked, unchecked):
+        model.compile(optimizer="adam", loss="mse", metrics=["mae"],
+                      check_finite=model is checked, steps_per_execution=steps_per_execution)
+    x, y = _data()
+    reads = _flag_reads(monkeypatch, checked)
+    histories = [model.fit(x, y, batch_size=8, epochs=2, shuffle=False, verbose=0)
+                 for model in (checked, unchecked)]
+    calls = 12 // steps_per_execution
+    # Every call's flags but the epoch's last are read in the epoch's steps.
+    assert reads == ([False] * (calls - 1) + [True]) * 2
+    _assert_same_weights(checked, unchecked)
+    np.testing.assert_allclose(histories[0].history["loss"], histories[1].history["loss"], atol=1e-6)
+    assert checked.loop.global_step == unchecked.loop.global_step == 24
+    assert checked.loop.tower_batches == unchecked.loop.tower_batches == [12]
+    # A callback with a batch hook reads each call's flags before its callbacks.
+    reads.clear()
+    checked.fit(x, y, batch_size=8, epochs=1, shuffle=False, verbose=0, callbacks=[_BatchLog()])
+    assert reads == [False] * calls

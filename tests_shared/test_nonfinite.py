@@ -128,3 +128,57 @@ def test_terminate_on_nan_ends_fit_normally_as_keras_does():
                         callbacks=[keras.callbacks.TerminateOnNaN(), ends])
     assert ends.ended and model.stop_training
     assert model.loop.global_step == 1 and len(history.history["loss"]) == 1
+
+
+class _EpochEnds(keras.callbacks.Callback):
+    """An epoch-end hook only: nothing reads a step before its epoch's end
+    (on JAX, the epoch's last call then comes back before its finite flags
+    are read, and the loop's counts are set back when they are)."""
+
+    def __init__(self):
+        super().__init__()
+        self.epochs = []
+
+    def on_epoch_end(self, epoch, logs=None):
+        self.epochs.append(epoch)
+
+
+def _spe_model(steps_per_execution, weights):
+    with kt.distributed("mirrored", devices=tower_devices(2)):
+        inputs = keras.Input((3,))
+        model = kt.TowerModel(inputs, keras.layers.Dense(1)(inputs))
+        model.compile(optimizer=keras.optimizers.SGD(0.1), loss="mse",
+                      steps_per_execution=steps_per_execution)
+    model.set_weights(weights)
+    return model
+
+
+@pytest.mark.parametrize("steps_per_execution,bad_row,failed_step,towers", [
+    (1, 29, 4, [1]),   # the epoch's last step, tower 1 (examples 28-31)
+    (2, 25, 4, [0]),   # the second step of the epoch's last call, tower 0 (24-27)
+    (2, 17, 3, [0]),   # the first step of the epoch's last call
+])
+def test_a_nonfinite_step_in_an_epochs_last_call_stops_there_with_every_count_of_the_step_before(
+        steps_per_execution, bad_row, failed_step, towers):
+    x, y, _ = _data()
+    start = _model().get_weights()
+    x_bad = x.copy()
+    x_bad[bad_row] = np.inf
+    model = _spe_model(steps_per_execution, start)
+    model.fit(x, y, batch_size=4, shuffle=False, verbose=0)   # a first, finite epoch
+    epochs = _EpochEnds()
+    with pytest.raises(kt.NonFiniteError) as caught:
+        model.fit(x_bad, y, batch_size=4, shuffle=False, verbose=0, callbacks=[epochs])
+    done = failed_step - 1
+    assert caught.value.global_step == 4 + failed_step and caught.value.towers == towers
+    assert model.loop.global_step == 4 + done and model.loop.local_step == done
+    # The failed step's batches were taken: the input's position is after them.
+    assert model.loop.tower_batches == [failed_step, failed_step]
+    assert model.loop.examples_seen == 32 + 8 * failed_step   # the first epoch's and these
+    assert epochs.epochs == [] and not model.loop.epoch_ended   # the failed epoch did not end
+    assert int(keras.ops.convert_to_numpy(model.optimizer.iterations.value)) == 4 + done
+    reference = _spe_model(1, start)
+    reference.fit(x, y, batch_size=4, shuffle=False, verbose=0)
+    reference.fit(x[:8 * done], y[:8 * done], batch_size=4, shuffle=False, verbose=0)
+    for got, want in zip(model.get_weights(), reference.get_weights()):
+        np.testing.assert_allclose(got, want, atol=1e-6)

@@ -45,6 +45,10 @@ class StepRun:
         nonfinite_towers: None, or the towers (of this process) whose
             gradients were not finite in the failed step (an empty list: a
             tower of another process).
+        settle: None, or (only where the Feed may read its flags late,
+            `Feed.flags_read_late`) a function that waits for the steps'
+            finite flags and returns the StepRun they make: the counts
+            above assume every step was applied until it is called.
     """
 
     taken: int = 0
@@ -55,6 +59,7 @@ class StepRun:
     examples: int = 0
     tower_examples: list = None
     nonfinite_towers: list = None
+    settle: object = None
 
 
 class Feed:
@@ -74,6 +79,11 @@ class Feed:
         """At every epoch: when an epoch is one pass, a new iterator over
         pass `loop.epoch_num - 1` (setting `loop.tower_batches`)."""
         raise NotImplementedError
+
+    # Set by FitSteps where nothing reads a step before the epoch's end
+    # (no callback with a batch hook): the epoch's last call may then come
+    # back before its finite flags are read (`StepRun.settle`).
+    flags_read_late = False
 
     def run(self, num_steps, loop):
         """Up to `num_steps` training steps; returns a `StepRun`."""

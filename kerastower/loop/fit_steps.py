@@ -8,6 +8,7 @@ input position, and adds validation to the epoch's logs.
 import keras
 
 from kerastower import _compat
+from kerastower.callbacks.base import Callback as KtCallback
 from kerastower.callbacks.base import RunHooks
 from kerastower.callbacks.base import unwrapped
 from kerastower.errors import nonfinite_error
@@ -51,6 +52,13 @@ class FitSteps(Iteration):
         self.terminate_on_nan = bool(terminate_on_nan)
         # Keras 3.15's TerminateOnNaN(raise_error=True) raises instead.
         self.nan_raises = any(getattr(c, "raise_error", False) for c in terminate_on_nan)
+        # Where no callback reads a step before the epoch's end, the
+        # epoch's last call may come back before its finite flags are read
+        # (`StepRun.settle`); one process only, so that every process stops
+        # at the same point of the loop.
+        self.flags_read_late = model.tower_strategy.single_process and not any(
+            _reads_steps(callback) for callback in getattr(callbacks, "callbacks", callbacks or []))
+        self._unsettled = None  # (the StepRun counted, its `settle`)
 
     @property
     def tower_batch_size(self):
@@ -63,6 +71,7 @@ class FitSteps(Iteration):
 
     def start(self, skip_batches, epoch_num):
         self.feed = self.model.engine.fit_feed(self.source, self.steps_per_epoch, self.steps_per_call)
+        self.feed.flags_read_late = self.flags_read_late
         self.feed.start(skip_batches, epoch_num)
 
     def before_epoch(self, loop):
@@ -85,7 +94,31 @@ class FitSteps(Iteration):
             self.loop.tower_batches = [int(a) + int(b) for a, b in zip(self.loop.tower_batches, run.tower_batches)]
             self.loop.examples_seen += run.examples
             self._announce_total_batch(run.tower_examples)
+        if run.settle is not None:
+            self._unsettled = (run, run.settle)
         return run.done, self.logs
+
+    def _settle(self, loop):
+        """Reads the finite flags of the epoch's last call where the feed
+        left them unread (`flags_read_late`): if a step's were not finite,
+        the loop's counts go back to the step before it (nothing read them
+        in between) and `ended_early` stops training there."""
+        if self._unsettled is None:
+            return
+        (counted, settle), self._unsettled = self._unsettled, None
+        run = settle()
+        if run.nonfinite_towers is None:
+            return
+        undone = counted.done - run.done
+        loop.local_step -= undone
+        loop.global_step -= undone
+        loop.tower_batches = [int(n) - (a - b) for n, a, b in
+                              zip(loop.tower_batches, counted.tower_batches, run.tower_batches)]
+        loop.examples_seen -= counted.examples - run.examples
+        loop.epoch_ended = False
+        self.logs, self.final_logs = run.logs, run.final_logs
+        self.failure = (loop.global_step + 1, run.nonfinite_towers)
+        self.ended_early(loop, loop.local_step)
 
     def ended_early(self, loop, step):
         if self.failure is not None:
@@ -120,7 +153,10 @@ class FitSteps(Iteration):
             )
 
     def epoch_logs(self, loop):
+        # A non-finite step's outputs are its inputs: the state may be
+        # synced before its flags are read.
         self.model.engine.sync_state()  # epoch-end callbacks and validation read the weights
+        self._settle(loop)
         logs = self._logs_of_every_tower()
         if self.failure is not None and loop.local_step == 0:
             # TerminateOnNaN ended an epoch none of whose steps was applied:
@@ -153,6 +189,19 @@ class FitSteps(Iteration):
         if not self._announced:
             self._announced = True
             announce_total_batch(self.model.tower_strategy, self.verbose, tower_examples)
+
+
+_BATCH_HOOKS = ("on_train_batch_begin", "on_train_batch_end", "on_batch_begin", "on_batch_end")
+
+
+def _reads_steps(callback):
+    """Whether `callback` may read the model or the loop between an epoch's
+    steps: a kt callback (its triggers and run hooks), or a Keras callback
+    with a batch hook of its own."""
+    if isinstance(callback, KtCallback):
+        return True
+    return any(getattr(type(callback), hook, None) is not getattr(keras.callbacks.Callback, hook)
+               for hook in _BATCH_HOOKS)
 
 
 def _due(epoch, validation_freq):

@@ -9,6 +9,7 @@ the towers hold between steps, written into the model's variables by
 """
 
 import contextlib
+import dataclasses
 
 import jax
 import keras
@@ -259,23 +260,56 @@ class _Feed(Feed):
                 break
             run.logs = logs
             run.final_logs = self.engine.tower_steps(len(steps[0])).final_logs
-            self._look_ahead(self._next_call_steps(num_steps, run.done + len(steps)), len(steps[0]))
-            failed = jax_step.first_nonfinite_step(finite)  # waits for the steps
-            done = len(steps) if failed is None else failed[0]
-            for batches in steps[:done]:
-                examples = [len(keras.tree.flatten(b)[0]) for b in batches]
-                run.tower_batches = [n + 1 for n in run.tower_batches]
-                run.examples += sum(examples)
-                if run.tower_examples is None:
-                    run.tower_examples = examples * (num_towers // len(examples))
-            run.done += done
-            run.taken += done
-            if failed is not None:
-                run.taken += 1   # its batches were read; its update was not applied
-                run.nonfinite_towers = failed[1]
-                self._launched = None  # it followed the failed call: dropped
+            next_steps = self._next_call_steps(num_steps, run.done + len(steps))
+            self._look_ahead(next_steps, len(steps[0]))
+            if self.flags_read_late and finite is not None and self._ends_epoch(
+                    next_steps, run.done + len(steps) >= num_steps):
+                # Nothing reads these steps before the epoch's end, so their
+                # flags are read there (`FitSteps.epoch_logs`): the host's
+                # work until then overlaps the devices'.
+                settled = dataclasses.replace(run)
+
+                def settle():
+                    self._count(settled, steps, finite)
+                    return settled
+
+                self._count(run, steps, None)
+                run.settle = settle
+                return run
+            if not self._count(run, steps, finite):
                 break
         return run
+
+    def _count(self, run, steps, finite):
+        """Counts in `run` the steps of one call applied, as `finite` (their
+        flags, waited for; None: all) says; False when one was not."""
+        failed = jax_step.first_nonfinite_step(finite)  # waits for the steps
+        done = len(steps) if failed is None else failed[0]
+        # A failed step's batches were taken (the input's position, as on
+        # TensorFlow); its update was not applied.
+        taken = len(steps) if failed is None else done + 1
+        num_towers = self.model.num_towers
+        for batches in steps[:taken]:
+            examples = [len(keras.tree.flatten(b)[0]) for b in batches]
+            run.tower_batches = [n + 1 for n in run.tower_batches]
+            run.examples += sum(examples)
+            if run.tower_examples is None:
+                run.tower_examples = examples * (num_towers // len(examples))
+        run.done += done
+        run.taken += taken
+        if failed is None:
+            return True
+        run.nonfinite_towers = failed[1]
+        self._launched = None  # it followed the failed call: dropped
+        return False
+
+    def _ends_epoch(self, next_steps, call_completes):
+        """Whether the call just launched is the epoch's last: it runs the
+        steps asked for, and no step of this epoch follows (its length is
+        reached, or reading ahead found the pass's end)."""
+        if not call_completes:
+            return False
+        return next_steps < 1 or (self._ahead is not None and not self._ahead[0])
 
     def _next_call(self, most):
         """(the steps of the next call, their logs, their finite flags): the
