@@ -174,7 +174,8 @@ def test_every_call_launched_ahead_is_used_when_no_callback_sets_a_weight():
 
 def _flag_reads(monkeypatch, model):
     """Spies on the real `first_nonfinite_step`: for each read of a call's
-    flags, whether the loop had already ended the epoch's steps."""
+    flags, the steps the loop had counted, and whether it had ended the
+    epoch's steps."""
     from kerastower.backend.jax import step as jax_step
 
     reads = []
@@ -182,7 +183,7 @@ def _flag_reads(monkeypatch, model):
 
     def spy(finite):
         if finite is not None:
-            reads.append(model.loop.epoch_ended)
+            reads.append((model.loop.global_step, model.loop.epoch_ended))
         return read(finite)
 
     monkeypatch.setattr(jax_step, "first_nonfinite_step", spy)
@@ -190,8 +191,11 @@ def _flag_reads(monkeypatch, model):
 
 
 @pytest.mark.parametrize("steps_per_execution", [1, 4])
-def test_the_epochs_last_call_reads_its_flags_at_the_epochs_end_unless_a_callback_reads_steps(
+def test_a_calls_flags_are_read_after_the_next_call_is_launched_unless_a_callback_reads_steps(
         monkeypatch, steps_per_execution):
+    """Where no callback reads a step, a call's flags are read once the
+    next call (gated on them on the devices) is launched, or at the epoch's
+    end: the host never waits for the call it just launched."""
     checked, unchecked = _pair()
     for model in (checked, unchecked):
         model.compile(optimizer="adam", loss="mse", metrics=["mae"],
@@ -201,13 +205,45 @@ def test_the_epochs_last_call_reads_its_flags_at_the_epochs_end_unless_a_callbac
     histories = [model.fit(x, y, batch_size=8, epochs=2, shuffle=False, verbose=0)
                  for model in (checked, unchecked)]
     calls = 12 // steps_per_execution
-    # Every call's flags but the epoch's last are read in the epoch's steps.
-    assert reads == ([False] * (calls - 1) + [True]) * 2
+    # Call k's flags are read in call k + 1 (the loop has counted k), the
+    # epoch's last call's at the epoch's end.
+    assert reads == [(12 * epoch + steps_per_execution * k, k == calls)
+                     for epoch in range(2) for k in range(1, calls + 1)]
     _assert_same_weights(checked, unchecked)
     np.testing.assert_allclose(histories[0].history["loss"], histories[1].history["loss"], atol=1e-6)
     assert checked.loop.global_step == unchecked.loop.global_step == 24
     assert checked.loop.tower_batches == unchecked.loop.tower_batches == [12]
-    # A callback with a batch hook reads each call's flags before its callbacks.
+    # A callback with a batch hook: each call's flags are read before the
+    # loop counts it and runs its callbacks.
     reads.clear()
     checked.fit(x, y, batch_size=8, epochs=1, shuffle=False, verbose=0, callbacks=[_BatchLog()])
-    assert reads == [False] * calls
+    assert reads == [(24 + steps_per_execution * k, False) for k in range(calls)]
+
+
+@pytest.mark.parametrize("width", [8, 512])
+def test_a_nonfinite_call_gates_the_call_launched_before_its_flags_were_read(width):
+    """No callback reads a step, so call k + 1 is launched before call k's
+    flags are read, with a state that launches ahead (small) or that each
+    call takes as its own (donated: wide): when call k was not finite,
+    call k + 1 changes nothing, and the weights are those of the step
+    before k."""
+    x, y = _data()
+    y_bad = y.copy()
+    y_bad[40] = np.inf   # the sixth batch of 8
+    models = []
+    for _ in range(2):
+        keras.utils.set_random_seed(3)
+        inputs = keras.Input((5,))
+        h = keras.layers.Dense(width, activation="relu")(inputs)
+        h = keras.layers.Dense(width, activation="relu")(h)
+        model = kt.TowerModel(inputs, keras.layers.Dense(2)(h))
+        model.compile(optimizer="adam", loss="mse")
+        models.append(model)
+    failing, reference = models
+    with pytest.raises(NonFiniteError) as caught:
+        failing.fit(x, y_bad, batch_size=8, epochs=1, shuffle=False, verbose=0)
+    reference.fit(x[:40], y[:40], batch_size=8, epochs=1, shuffle=False, verbose=0)
+    assert _launched_ahead(failing) == (width == 8)
+    assert caught.value.global_step == 6 and failing.loop.global_step == 5
+    assert int(failing.optimizer.iterations) == 5
+    _assert_same_weights(failing, reference)

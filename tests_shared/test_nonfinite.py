@@ -132,8 +132,8 @@ def test_terminate_on_nan_ends_fit_normally_as_keras_does():
 
 class _EpochEnds(keras.callbacks.Callback):
     """An epoch-end hook only: nothing reads a step before its epoch's end
-    (on JAX, the epoch's last call then comes back before its finite flags
-    are read, and the loop's counts are set back when they are)."""
+    (on JAX, a call then comes back before its finite flags are read, and
+    the loop's counts are set back when they are)."""
 
     def __init__(self):
         super().__init__()
@@ -155,10 +155,12 @@ def _spe_model(steps_per_execution, weights):
 
 @pytest.mark.parametrize("steps_per_execution,bad_row,failed_step,towers", [
     (1, 29, 4, [1]),   # the epoch's last step, tower 1 (examples 28-31)
+    (1, 13, 2, [1]),   # a step inside the epoch (examples 8-15)
     (2, 25, 4, [0]),   # the second step of the epoch's last call, tower 0 (24-27)
     (2, 17, 3, [0]),   # the first step of the epoch's last call
+    (2, 1, 1, [0]),    # the epoch's first call
 ])
-def test_a_nonfinite_step_in_an_epochs_last_call_stops_there_with_every_count_of_the_step_before(
+def test_a_nonfinite_step_with_no_callback_reading_steps_stops_there_with_every_count_before_it(
         steps_per_execution, bad_row, failed_step, towers):
     x, y, _ = _data()
     start = _model().get_weights()

@@ -81,8 +81,8 @@ class Feed:
         raise NotImplementedError
 
     # Set by FitSteps where nothing reads a step before the epoch's end
-    # (no callback with a batch hook): the epoch's last call may then come
-    # back before its finite flags are read (`StepRun.settle`).
+    # (no callback with a batch hook): a call may then come back before its
+    # finite flags are read (`StepRun.settle`), the next call gated on them.
     flags_read_late = False
 
     def run(self, num_steps, loop):

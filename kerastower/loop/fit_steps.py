@@ -52,10 +52,11 @@ class FitSteps(Iteration):
         self.terminate_on_nan = bool(terminate_on_nan)
         # Keras 3.15's TerminateOnNaN(raise_error=True) raises instead.
         self.nan_raises = any(getattr(c, "raise_error", False) for c in terminate_on_nan)
-        # Where no callback reads a step before the epoch's end, the
-        # epoch's last call may come back before its finite flags are read
-        # (`StepRun.settle`); one process only, so that every process stops
-        # at the same point of the loop.
+        # Where no callback reads a step before the epoch's end, a call may
+        # come back before its finite flags are read (`StepRun.settle`):
+        # they are read once the next call is launched, or at the epoch's
+        # end. One process only, so that every process stops at the same
+        # point of the loop.
         self.flags_read_late = model.tower_strategy.single_process and not any(
             _reads_steps(callback) for callback in getattr(callbacks, "callbacks", callbacks or []))
         self._unsettled = None  # (the StepRun counted, its `settle`)
@@ -83,6 +84,10 @@ class FitSteps(Iteration):
         self.run_hooks.before_run()
         run = self.feed.run(num_steps, self.loop)
         self.run_hooks.after_run(run.logs)
+        if self._settled_failure(self.loop):
+            # The call before this one was not finite: this one (gated on
+            # the devices) changed nothing, and the loop stops (ended_early).
+            return 0, self.logs
         if run.nonfinite_towers is not None:
             # The loop counts the steps before the failed one, then
             # ended_early raises.
@@ -98,17 +103,18 @@ class FitSteps(Iteration):
             self._unsettled = (run, run.settle)
         return run.done, self.logs
 
-    def _settle(self, loop):
-        """Reads the finite flags of the epoch's last call where the feed
-        left them unread (`flags_read_late`): if a step's were not finite,
-        the loop's counts go back to the step before it (nothing read them
-        in between) and `ended_early` stops training there."""
+    def _settled_failure(self, loop):
+        """Reads the finite flags of the call the feed left unread
+        (`flags_read_late`; the call after it, if any, is already
+        launched): if a step's were not finite, the loop's counts go back to
+        that step (nothing read them in between), and True says that
+        training stops there."""
         if self._unsettled is None:
-            return
+            return False
         (counted, settle), self._unsettled = self._unsettled, None
         run = settle()
         if run.nonfinite_towers is None:
-            return
+            return False
         undone = counted.done - run.done
         loop.local_step -= undone
         loop.global_step -= undone
@@ -118,7 +124,7 @@ class FitSteps(Iteration):
         loop.epoch_ended = False
         self.logs, self.final_logs = run.logs, run.final_logs
         self.failure = (loop.global_step + 1, run.nonfinite_towers)
-        self.ended_early(loop, loop.local_step)
+        return True
 
     def ended_early(self, loop, step):
         if self.failure is not None:
@@ -156,7 +162,8 @@ class FitSteps(Iteration):
         # A non-finite step's outputs are its inputs: the state may be
         # synced before its flags are read.
         self.model.engine.sync_state()  # epoch-end callbacks and validation read the weights
-        self._settle(loop)
+        if self._settled_failure(loop):
+            self.ended_early(loop, loop.local_step)
         logs = self._logs_of_every_tower()
         if self.failure is not None and loop.local_step == 0:
             # TerminateOnNaN ended an epoch none of whose steps was applied:

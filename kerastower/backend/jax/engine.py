@@ -52,17 +52,18 @@ class JaxEngine(StepEngine):
         """Every `step.TowerSteps` made so far."""
         return list(self._steps.values())
 
-    def run_towers(self, mode, batches, placed=None):
+    def run_towers(self, mode, batches, placed=None, going=None):
         """One test or predict step on `batches` (one per tower, or one
         holding a pass's last examples); for "train", the steps `batches`
-        (a list of such lists) in one call (`placed`: them on the devices)."""
+        (a list of such lists) in one call (`placed`: them on the devices;
+        `going`: their gate, `TowerSteps.launch`)."""
         steps = self.tower_steps(len(batches[0]) if mode == "train" else len(batches))
         for other in self._steps.values():
             if other is not steps:
                 other.sync()
                 other.reset_metrics()  # the model's metrics hold the last step's
         if mode == "train":
-            return steps.train_steps(batches, placed)
+            return steps.train_steps(batches, placed, going)
         return getattr(steps, mode)(batches)
 
     # input
@@ -227,6 +228,8 @@ class _Feed(Feed):
         whole."""
         self.endless = bool(self.steps_per_epoch)
         self._ahead = self._pending = self._launched = None
+        for tower_steps in self.engine.all_tower_steps():
+            tower_steps.going = None  # a fit after a non-finite step trains again
         self._launching = True
         skip = max(skip_batches) if skip_batches else 0
         self.resumed_pass = None
@@ -262,11 +265,12 @@ class _Feed(Feed):
             run.final_logs = self.engine.tower_steps(len(steps[0])).final_logs
             next_steps = self._next_call_steps(num_steps, run.done + len(steps))
             self._look_ahead(next_steps, len(steps[0]))
-            if self.flags_read_late and finite is not None and self._ends_epoch(
-                    next_steps, run.done + len(steps) >= num_steps):
-                # Nothing reads these steps before the epoch's end, so their
-                # flags are read there (`FitSteps.epoch_logs`): the host's
-                # work until then overlaps the devices'.
+            if self.flags_read_late and finite is not None and self._next_call_gated(
+                    next_steps, run.done + len(steps) >= num_steps, len(steps[0])):
+                # Nothing reads these steps before the next call is made
+                # (which they gate) or the epoch ends, so their flags are
+                # read then (`FitSteps`): the host never waits for the
+                # steps it just launched.
                 settled = dataclasses.replace(run)
 
                 def settle():
@@ -303,13 +307,18 @@ class _Feed(Feed):
         self._launched = None  # it followed the failed call: dropped
         return False
 
-    def _ends_epoch(self, next_steps, call_completes):
-        """Whether the call just launched is the epoch's last: it runs the
-        steps asked for, and no step of this epoch follows (its length is
-        reached, or reading ahead found the pass's end)."""
+    def _next_call_gated(self, next_steps, call_completes, num_towers):
+        """Whether the call just launched may leave its flags unread: it
+        runs the steps asked for, and either no step of this epoch follows
+        (its length is reached, or reading ahead found the pass's end), or
+        the next call is known to run on the same towers, which it gates
+        (launched ahead, or its batches read ahead)."""
         if not call_completes:
             return False
-        return next_steps < 1 or (self._ahead is not None and not self._ahead[0])
+        if next_steps < 1 or self._launched is not None:
+            return True
+        ahead = self._ahead
+        return ahead is not None and (not ahead[0] or len(ahead[0][0]) == num_towers)
 
     def _next_call(self, most):
         """(the steps of the next call, their logs, their finite flags): the
@@ -331,7 +340,10 @@ class _Feed(Feed):
         self._ahead = None
         if not steps:
             return [], None, None
-        return (steps, *self.engine.run_towers("train", steps, placed))
+        tower_steps = self.engine.tower_steps(len(steps[0]))
+        # The last call's gate, where it ran on the same towers (a call
+        # whose flags were left unread always has its next call there).
+        return (steps, *self.engine.run_towers("train", steps, placed, going=tower_steps.going))
 
     def _look_ahead(self, num_steps, num_towers):
         """While the steps just launched run, the next call's batches are
@@ -344,7 +356,7 @@ class _Feed(Feed):
             return
         tower_steps = self.engine.tower_steps(num_towers)
         if self._launching and tower_steps.launches_ahead():
-            self._launched = tower_steps.launch(*self._ahead)
+            self._launched = tower_steps.launch(*self._ahead, going=tower_steps.going)
             self._ahead = None
 
     _pending = None  # a step taken from the input that must run in a call of its own

@@ -112,7 +112,9 @@ class TowerSteps(TowerState):
         self.step_values = StepValues(model, "train_step")
         self.test_values = StepValues(model, "test_step")
         self.final_logs = None  # the last step's `StepRun.final_logs`
+        self.going = None  # whether every step of the last call was finite, on the devices
         self._functions = {}
+        self._true = None
 
     # -- the steps --------------------------------------------------------
 
@@ -135,15 +137,15 @@ class TowerSteps(TowerState):
                   for i in range(len(steps[0]))]
         return self.place(joined)
 
-    def train_steps(self, steps, placed=None):
+    def train_steps(self, steps, placed=None, going=None):
         """`len(steps)` training steps in one call (`steps_per_execution`),
         each a list of one batch per tower, all of one shape (`placed`:
         them, already placed). Returns (the last step's logs, each tower's
         finite flag by step, still on the devices: `first_nonfinite_step`
         reads them; None when unchecked)."""
-        return self.commit(self.launch(steps, placed))
+        return self.commit(self.launch(steps, placed, going))
 
-    def launch(self, steps, placed=None):
+    def launch(self, steps, placed=None, going=None):
         """Dispatches `len(steps)` training steps from the state the towers
         hold and returns them in flight (`LaunchedSteps`), not yet the
         towers' state: `commit` makes them so.
@@ -153,6 +155,11 @@ class TowerSteps(TowerState):
         they are committed, so a callback may still read it (a sync) and
         the loop may still drop them (stopping before them). The steps of
         a non-finite call change nothing, so its outputs are its inputs.
+
+        `going` (None: True) gates the steps: a boolean on the devices, the
+        `going` of a call before (`commit`) whose flags may not have been
+        read yet. When it is False, that call was not finite, and these
+        steps change nothing either.
         """
         data = self.place_steps(steps) if placed is None else placed
         if len(steps) == 1:
@@ -163,12 +170,19 @@ class TowerSteps(TowerState):
         state = (*self._current_state(), self._metric_state())
         if not self.launches_ahead():
             self._held = self._written = None  # donated to the step
-        return LaunchedSteps(steps, data, self.generation(), function(state, data))
+        return LaunchedSteps(steps, data, self.generation(), function(state, data, self._gate(going)))
+
+    def _gate(self, going):
+        if going is not None:
+            return going
+        if self._true is None:
+            self._true = jax.device_put(np.asarray(True), NamedSharding(self.mesh, REPLICATED))
+        return self._true
 
     def commit(self, launched):
         """Makes the launched steps' outputs the towers' state; returns
         their (logs, flags) as `train_steps` does."""
-        (*held, metrics), self._summed_metrics, logs, finite, values = launched.outputs
+        (*held, metrics), self._summed_metrics, logs, finite, values, self.going = launched.outputs
         self._held, self._tower_metrics = tuple(held), metrics
         self._written = None
         # Steps launched before this commit start from an older state.
@@ -198,9 +212,9 @@ class TowerSteps(TowerState):
     def _function(self, mode, body):
         if mode not in self._functions:
             specs = {
-                "train": ((REPLICATED,) * 3 + (BY_TOWER, BY_TOWER),
+                "train": ((REPLICATED,) * 3 + (BY_TOWER, BY_TOWER, REPLICATED),
                           (REPLICATED,) * 3 + (BY_TOWER, BY_TOWER, REPLICATED)),
-                "train_steps": ((REPLICATED,) * 3 + (BY_TOWER, BY_TOWER),
+                "train_steps": ((REPLICATED,) * 3 + (BY_TOWER, BY_TOWER, REPLICATED),
                                 (REPLICATED,) * 3 + (BY_TOWER, BY_STEP_AND_TOWER, REPLICATED)),
                 "test": ((REPLICATED,) * 2 + (BY_TOWER, BY_TOWER), (BY_TOWER, REPLICATED)),
                 "predict": ((REPLICATED,) * 2 + (BY_TOWER,), BY_TOWER),
@@ -212,7 +226,7 @@ class TowerSteps(TowerState):
                 functools.partial(self._run, mode, sharded), donate_argnums=0 if donated else ())
         return self._functions[mode]
 
-    def _run(self, mode, sharded, state, data):
+    def _run(self, mode, sharded, state, data, going=None):
         if mode == "predict":
             outputs = sharded(*state, data)
             # Every process returns every tower's outputs, in tower order.
@@ -220,8 +234,12 @@ class TowerSteps(TowerState):
         if mode == "test":
             metrics, values = sharded(*state, data)
             return (metrics, *self._logs(metrics), values)
-        *new_state, finite, values = sharded(*state, data)
-        return (tuple(new_state), *self._logs(new_state[3]), self._on_every_tower(finite), values)
+        *new_state, finite, values = sharded(*state, data, going)
+        finite = self._on_every_tower(finite)
+        # The next call's gate: after a step that was not finite, every
+        # flag of the later steps is False too.
+        going = jax.lax.with_sharding_constraint(jnp.all(finite), NamedSharding(self.mesh, REPLICATED))
+        return (tuple(new_state), *self._logs(new_state[3]), finite, values, going)
 
     def _on_every_tower(self, values):
         """`values`, gathered so that every device (every process) holds all."""
@@ -249,12 +267,13 @@ class TowerSteps(TowerState):
         ctx.check_finite = self.check_finite
         return ctx
 
-    def _train_body(self, trainable, non_trainable, optimizer_vars, tower_metrics, data):
+    def _train_body(self, trainable, non_trainable, optimizer_vars, tower_metrics, data, going):
         *state, flags, _, values = self._train_step(
-            trainable, non_trainable, optimizer_vars, tower_metrics, data)
+            trainable, non_trainable, optimizer_vars, tower_metrics, data, going)
         return (*state, flags, values)
 
-    def _train_steps_body(self, num_steps, trainable, non_trainable, optimizer_vars, tower_metrics, data):
+    def _train_steps_body(self, num_steps, trainable, non_trainable, optimizer_vars, tower_metrics, data,
+                          going):
         """`num_steps` training steps in one `lax.scan`: this tower's batches
         of every step arrive joined (`place_steps`). After a step whose
         gradients were not finite, the later ones change nothing (the loop
@@ -266,8 +285,7 @@ class TowerSteps(TowerState):
             *new, flags, finite, values = self._train_step(*state, batch, going)
             return (*new, finite if self.check_finite else going), (flags, values)
 
-        carry = (list(trainable), list(non_trainable), list(optimizer_vars), list(tower_metrics),
-                 jnp.asarray(True))
+        carry = (list(trainable), list(non_trainable), list(optimizer_vars), list(tower_metrics), going)
         (*state, _), (flags, values) = jax.lax.scan(step, carry, steps, unroll=True)
         return (*state, flags, values[-1])   # the logs show the last step's values
 
