@@ -247,3 +247,30 @@ def test_a_nonfinite_call_gates_the_call_launched_before_its_flags_were_read(wid
     assert caught.value.global_step == 6 and failing.loop.global_step == 5
     assert int(failing.optimizer.iterations) == 5
     _assert_same_weights(failing, reference)
+
+
+def test_an_error_in_the_next_call_still_reports_the_nonfinite_call_before_it(monkeypatch):
+    """Call 2's flags are unread when launching call 4 (ahead, while call 3
+    runs) fails: the NonFiniteError of call 2 is the one reported, with the
+    counts of the step before it."""
+    from kerastower.backend.jax import step as jax_step
+
+    x, y = _data()
+    y_bad = y.copy()
+    y_bad[8] = np.inf   # the second batch of 8
+    model, _ = _pair()
+    model.fit(x, y, batch_size=8, epochs=1, shuffle=False, verbose=0)
+    launch = jax_step.TowerSteps.launch
+    launches = []
+
+    def failing_launch(self, *args, **kwargs):
+        launches.append(None)
+        if len(launches) == 4:
+            raise RuntimeError("the fourth launch fails")
+        return launch(self, *args, **kwargs)
+
+    monkeypatch.setattr(jax_step.TowerSteps, "launch", failing_launch)
+    with pytest.raises(NonFiniteError) as caught:
+        model.fit(x, y_bad, batch_size=8, epochs=1, shuffle=False, verbose=0)
+    assert isinstance(caught.value.__context__, RuntimeError)
+    assert caught.value.global_step == 12 + 2 and model.loop.global_step == 12 + 1

@@ -184,3 +184,17 @@ def test_a_nonfinite_step_with_no_callback_reading_steps_stops_there_with_every_
     reference.fit(x[:8 * done], y[:8 * done], batch_size=4, shuffle=False, verbose=0)
     for got, want in zip(model.get_weights(), reference.get_weights()):
         np.testing.assert_allclose(got, want, atol=1e-6)
+
+
+def test_a_lambda_callbacks_batch_hook_never_sees_the_nonfinite_step():
+    """LambdaCallback sets its hooks on the instance: it reads every step,
+    so each call's flags are read before its batch-end hook runs."""
+    x, y, x_bad = _data()   # step 2 is not finite
+    model = _model()
+    seen = []
+    hook = keras.callbacks.LambdaCallback(
+        on_train_batch_end=lambda batch, logs: seen.append((batch, model.loop.global_step)))
+    with pytest.raises(kt.NonFiniteError) as caught:
+        model.fit(x_bad, y, batch_size=4, shuffle=False, verbose=0, callbacks=[hook])
+    assert caught.value.global_step == 2
+    assert seen == [(0, 1)]

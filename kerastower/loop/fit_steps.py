@@ -82,7 +82,13 @@ class FitSteps(Iteration):
 
     def run(self, num_steps):
         self.run_hooks.before_run()
-        run = self.feed.run(num_steps, self.loop)
+        try:
+            run = self.feed.run(num_steps, self.loop)
+        except Exception:
+            # The call before failed first: that is the error to report.
+            if self._settled_failure(self.loop):
+                self.ended_early(self.loop, self.loop.local_step)
+            raise
         self.run_hooks.after_run(run.logs)
         if self._settled_failure(self.loop):
             # The call before this one was not finite: this one (gated on
@@ -207,8 +213,10 @@ def _reads_steps(callback):
     with a batch hook of its own."""
     if isinstance(callback, KtCallback):
         return True
-    return any(getattr(type(callback), hook, None) is not getattr(keras.callbacks.Callback, hook)
-               for hook in _BATCH_HOOKS)
+    # The bound hook, not the class's: LambdaCallback sets its hooks on the
+    # instance.
+    return any(getattr(getattr(callback, hook, None), "__func__", None)
+               is not getattr(keras.callbacks.Callback, hook) for hook in _BATCH_HOOKS)
 
 
 def _due(epoch, validation_freq):
