@@ -4,5 +4,6 @@
 `shard_map` and reduces the gradients there; `placement.py` puts each
 tower's batch on its device; `towers.py` what every tower step does to its
 values; `tower_state.py` what the towers hold between calls and when the
-Keras variables get it; `sync.py` synchronized BatchNormalization.
+Keras variables get it; `feed.py` fit's input, read and launched ahead;
+`sync.py` synchronized BatchNormalization.
 """
