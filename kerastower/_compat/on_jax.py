@@ -32,11 +32,13 @@ from kerastower._compat.required import _missing
 from kerastower._compat.required import require
 
 __all__ = ["require_function", "jaxpr_as_fun", "synchronized_moments_routed", "synchronized_batchnorm_admitted",
-           "rnn_initial_states_typed", "current_stateless_scope", "inheriting_stateless_scope"]
+           "rnn_initial_states_typed", "current_stateless_scope", "inheriting_stateless_scope", "compile_metrics_parts"]
 
 _MOMENTS = ("keras.src.backend.jax.nn", "moments")
 _STATELESS_SCOPE = ("keras.src.backend.common.stateless_scope", "get_stateless_scope")
 _BATCHNORM = ("keras.src.layers.normalization.batch_normalization", "BatchNormalization")
+_COMPILE_METRICS = ("keras.src.trainers.compile_utils", "CompileMetrics")
+_METRICS_LIST = ("keras.src.trainers.compile_utils", "MetricsList")
 
 
 def require_function(module_name, attribute):
@@ -152,3 +154,24 @@ def inheriting_stateless_scope(state_mapping, collect_losses=False):
         raise _missing("keras.StatelessScope.state_mapping as a dict of variable id to value")
     scope.state_mapping = {**inherited, **scope.state_mapping}
     return scope
+
+
+def compile_metrics_parts(metric):
+    """The metrics inside `metric` when `compile(metrics=...)` made it (Keras's
+    CompileMetrics, and the MetricsList of each output inside it, whose
+    `reset_state` resets each of them; none before it is built), else None."""
+    if isinstance(metric, require_function(*_METRICS_LIST)):
+        names = ("metrics",)
+    elif isinstance(metric, require_function(*_COMPILE_METRICS)):
+        if not metric.built:
+            return []
+        names = ("_flat_metrics", "_flat_weighted_metrics")
+    else:
+        return None
+    parts = []
+    for name in names:
+        found = getattr(metric, name, None)
+        if not isinstance(found, (list, tuple)):
+            raise _missing(f"{type(metric).__name__}.{name} as a list")
+        parts.extend(part for part in found if part)
+    return parts

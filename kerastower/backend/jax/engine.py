@@ -23,6 +23,7 @@ from kerastower.backend.engine import StepRun
 from kerastower.backend.jax.tower_function import TowerFunctionRunner
 from kerastower.backend.jax import step as jax_step
 from kerastower.backend.jax.feed import FitFeed
+from kerastower.backend.jax.metric_reset import MetricResets
 from kerastower.errors import InputSourceError
 from kerastower.inputs import jax_sources
 
@@ -35,9 +36,11 @@ class JaxEngine(StepEngine):
     def __init__(self, model):
         super().__init__(model)
         self._steps = {}  # number of towers -> jax_step.TowerSteps
+        self.metric_resets = MetricResets()
 
     def compiled(self, jit_compile):
         self._steps = {}
+        self.metric_resets = MetricResets()  # compile makes new metric variables
 
     def tower_steps(self, num_towers=None):
         """The `step.TowerSteps` of the first `num_towers` towers (all by default)."""

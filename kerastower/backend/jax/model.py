@@ -24,9 +24,13 @@ class TowerModelBackend:
             steps.sync()
 
     def reset_metrics(self):
-        super().reset_metrics()
+        """Keras's reset, without an eager op per variable (metric_reset.py)."""
         engine = self.__dict__.get("engine")
-        for steps in engine.all_tower_steps() if engine is not None else ():
+        if engine is None:
+            super().reset_metrics()
+            return
+        engine.metric_resets.reset(self)
+        for steps in engine.all_tower_steps():
             steps.reset_metrics()
 
     def make_train_function(self, force=False):
