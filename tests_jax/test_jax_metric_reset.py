@@ -4,7 +4,6 @@ metric variable ends as `keras.Model.reset_metrics` leaves it."""
 
 import keras
 import numpy as np
-import pytest
 
 import kerastower as kt
 
