@@ -129,7 +129,9 @@ def test_a_nonfinite_step_leaves_the_last_finite_state_with_a_call_launched_afte
     checked.fit(x, y, batch_size=8, epochs=1, shuffle=False, verbose=0)
     unchecked.fit(x, y, batch_size=8, epochs=1, shuffle=False, verbose=0)
     with pytest.raises(NonFiniteError):
-        checked.fit(x, y_bad, batch_size=8, epochs=1, shuffle=False, verbose=0)
+        # A callback reads each step, so each call's flags are waited for
+        # and the next call is launched ahead meanwhile.
+        checked.fit(x, y_bad, batch_size=8, epochs=1, shuffle=False, verbose=0, callbacks=[_BatchLog()])
     unchecked.fit(x[:40], y[:40], batch_size=8, epochs=1, shuffle=False, verbose=0)
     assert _launched_ahead(checked)
     _assert_same_weights(checked, unchecked)
@@ -220,13 +222,14 @@ def test_a_calls_flags_are_read_after_the_next_call_is_launched_unless_a_callbac
     assert reads == [(24 + steps_per_execution * k, False) for k in range(calls)]
 
 
-@pytest.mark.parametrize("width", [8, 512])
-def test_a_nonfinite_call_gates_the_call_launched_before_its_flags_were_read(width):
-    """No callback reads a step, so call k + 1 is launched before call k's
-    flags are read, with a state that launches ahead (small) or that each
-    call takes as its own (donated: wide): when call k was not finite,
-    call k + 1 changes nothing, and the weights are those of the step
-    before k."""
+@pytest.mark.parametrize("width,reads_steps", [(8, False), (8, True), (512, False), (512, True)])
+def test_a_nonfinite_call_gates_the_call_launched_before_its_flags_were_read(width, reads_steps):
+    """Call k + 1 is launched before call k's flags are read: where no
+    callback reads a step (its flags are read late), with a state each
+    call takes as its own (donated); where one does, launched ahead with
+    a state it does not take (small), else not at all (wide, donated).
+    When call k was not finite, call k + 1 changes nothing, and the
+    weights are those of the step before k."""
     x, y = _data()
     y_bad = y.copy()
     y_bad[40] = np.inf   # the sixth batch of 8
@@ -241,18 +244,20 @@ def test_a_nonfinite_call_gates_the_call_launched_before_its_flags_were_read(wid
         models.append(model)
     failing, reference = models
     with pytest.raises(NonFiniteError) as caught:
-        failing.fit(x, y_bad, batch_size=8, epochs=1, shuffle=False, verbose=0)
+        failing.fit(x, y_bad, batch_size=8, epochs=1, shuffle=False, verbose=0,
+                    callbacks=[_BatchLog()] if reads_steps else [])
     reference.fit(x[:40], y[:40], batch_size=8, epochs=1, shuffle=False, verbose=0)
-    assert _launched_ahead(failing) == (width == 8)
+    assert _launched_ahead(failing) == (width == 8 and reads_steps)
     assert caught.value.global_step == 6 and failing.loop.global_step == 5
     assert int(failing.optimizer.iterations) == 5
     _assert_same_weights(failing, reference)
 
 
 def test_an_error_in_the_next_call_still_reports_the_nonfinite_call_before_it(monkeypatch):
-    """Call 2's flags are unread when launching call 4 (ahead, while call 3
-    runs) fails: the NonFiniteError of call 2 is the one reported, with the
-    counts of the step before it."""
+    """Call 2's flags are unread when launching call 3 fails (no callback
+    reads a step: a call's flags are read once the next is launched): the
+    NonFiniteError of call 2 is the one reported, with the counts of the
+    step before it."""
     from kerastower.backend.jax import step as jax_step
 
     x, y = _data()
@@ -265,8 +270,8 @@ def test_an_error_in_the_next_call_still_reports_the_nonfinite_call_before_it(mo
 
     def failing_launch(self, *args, **kwargs):
         launches.append(None)
-        if len(launches) == 4:
-            raise RuntimeError("the fourth launch fails")
+        if len(launches) == 3:
+            raise RuntimeError("the third launch fails")
         return launch(self, *args, **kwargs)
 
     monkeypatch.setattr(jax_step.TowerSteps, "launch", failing_launch)

@@ -49,7 +49,13 @@ class JaxEngine(StepEngine):
             mesh = jax_step.tower_mesh(devices)
             self._steps[len(devices)] = jax_step.TowerSteps(
                 self.model, mesh, getattr(self.model, "tower_check_finite", True))
-        return self._steps[len(devices)]
+        steps = self._steps[len(devices)]
+        steps.flags_read_late = self.flags_read_late
+        return steps
+
+    # Whether fit's calls come back before their flags are read (set by
+    # `FitFeed.start`); the steps then take their state as their own.
+    flags_read_late = False
 
     def all_tower_steps(self):
         """Every `step.TowerSteps` made so far."""

@@ -45,6 +45,7 @@ class FitFeed(Feed):
         whole."""
         self.endless = bool(self.steps_per_epoch)
         self._ahead = self._pending = self._launched = None
+        self.engine.flags_read_late = self.flags_read_late
         for tower_steps in self.engine.all_tower_steps():
             tower_steps.going = None  # a fit after a non-finite step trains again
         self._launching = True

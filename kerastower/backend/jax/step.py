@@ -210,7 +210,9 @@ class TowerSteps(TowerState):
         return function(state, self.place(batches))
 
     def _function(self, mode, body):
-        if mode not in self._functions:
+        donated = mode.startswith("train") and not self.launches_ahead()
+        key = (mode, donated)
+        if key not in self._functions:
             specs = {
                 "train": ((REPLICATED,) * 3 + (BY_TOWER, BY_TOWER, REPLICATED),
                           (REPLICATED,) * 3 + (BY_TOWER, BY_TOWER, REPLICATED)),
@@ -221,10 +223,9 @@ class TowerSteps(TowerState):
             }[mode.split(":")[0]]
             sharded = (body if self.num_towers == 1 else
                        jax.shard_map(body, mesh=self.mesh, in_specs=specs[0], out_specs=specs[1]))
-            donated = mode.startswith("train") and not self.launches_ahead()
-            self._functions[mode] = jax.jit(
+            self._functions[key] = jax.jit(
                 functools.partial(self._run, mode, sharded), donate_argnums=0 if donated else ())
-        return self._functions[mode]
+        return self._functions[key]
 
     def _run(self, mode, sharded, state, data, going=None):
         if mode == "predict":

@@ -57,6 +57,9 @@ class TowerState:
         self._written = None  # what `sync` left in the variables (see _check_written)
         self._generation = 0
         self._launches_ahead = None
+        # Set by fit's feed (`FitFeed.start`): its calls come back before
+        # their flags are read, so none waits for the one before.
+        self.flags_read_late = False
         self._stack_metrics = None
         self._spans = spans_processes(mesh)
         self._host_memory = all(d.platform == "cpu" for d in mesh.devices.flat)
@@ -189,17 +192,20 @@ class TowerState:
         """Whether the next call may be launched before this one's finite
         flags are read, and so whether the training steps take the state
         they start from as their own (donated) or not: only where a flag is
-        waited for (checked), in one process (a callback's sync that drops
-        the launch must not make one process run a call the others do
-        not), and where holding the state twice costs less than it hides
-        (`LAUNCH_AHEAD_MAX_BYTES`, `LAUNCH_AHEAD_MAX_BYTES_CPU`). Decided
-        once, at the first step: one compiled step serves every call."""
+        waited for (checked, and not `flags_read_late`: where a call comes
+        back before its flags are read, the next one is launched at once
+        anyway, and a state not donated is only a new one to allocate), in
+        one process (a callback's sync that drops the launch must not make
+        one process run a call the others do not), and where holding the
+        state twice costs less than it hides (`LAUNCH_AHEAD_MAX_BYTES`,
+        `LAUNCH_AHEAD_MAX_BYTES_CPU`). The size is weighed once, at the
+        first step; each way has its own compiled step."""
         if self._launches_ahead is None:
             size = sum(int(np.prod(v.shape)) * jnp.dtype(v.dtype).itemsize
                        for variables in self._variable_lists() for v in variables)
             limit = LAUNCH_AHEAD_MAX_BYTES_CPU if self._host_memory else LAUNCH_AHEAD_MAX_BYTES
             self._launches_ahead = self.check_finite and not self._spans and size <= limit
-        return self._launches_ahead
+        return self._launches_ahead and not self.flags_read_late
 
     def generation(self):
         """Counts the times the state was replaced: by a commit, or from
