@@ -5,5 +5,6 @@
 tower's batch on its device; `towers.py` what every tower step does to its
 values; `tower_state.py` what the towers hold between calls and when the
 Keras variables get it; `feed.py` fit's input, read and launched ahead;
-`sync.py` synchronized BatchNormalization.
+`sync.py` synchronized BatchNormalization; `metric_reset.py` Keras's
+`reset_metrics` without a device op per variable.
 """
