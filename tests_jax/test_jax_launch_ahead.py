@@ -279,3 +279,68 @@ def test_an_error_in_the_next_call_still_reports_the_nonfinite_call_before_it(mo
         model.fit(x, y_bad, batch_size=8, epochs=1, shuffle=False, verbose=0)
     assert isinstance(caught.value.__context__, RuntimeError)
     assert caught.value.global_step == 12 + 2 and model.loop.global_step == 12 + 1
+
+
+class _TieAtEpochEnd(keras.callbacks.Callback):
+    """Sets one layer's kernel to another's at each epoch's end: Keras's
+    `assign` of a variable stores its array, so two variables hold one."""
+
+    def on_epoch_end(self, epoch, logs=None):
+        self.model.layers[2].kernel.assign(self.model.layers[1].kernel)
+
+
+def _tied_model(ema):
+    keras.utils.set_random_seed(3)
+    with kt.distributed("mirrored", devices=[0, 1]):
+        inputs = keras.Input((5,))
+        h = keras.layers.Dense(5, activation="relu")(inputs)
+        h = keras.layers.Dense(5, activation="relu")(h)
+        model = kt.TowerModel(inputs, keras.layers.Dense(2)(h))
+        model.compile(optimizer=keras.optimizers.SGD(0.01, use_ema=ema), loss="mse")
+    return model
+
+
+@pytest.mark.parametrize("ema", [False, True])
+def test_two_variables_holding_one_array_train_as_when_the_steps_do_not_take_their_state(ema):
+    """Where no callback reads a step, the steps take their state as their
+    own (donated); an array two variables hold (tied at an epoch's end, or
+    the optimizer's EMA written into the weights when a fit ends) is
+    copied first, and training is what it is where the state is not taken
+    (a batch callback: launched ahead)."""
+    x, y = _data()
+    results = []
+    for reads_steps in (False, True):
+        model = _tied_model(ema)
+        for _ in range(2):
+            model.fit(x, y, batch_size=8, epochs=2, shuffle=False, verbose=0,
+                      callbacks=[_TieAtEpochEnd()] + ([_BatchLog()] if reads_steps else []))
+        assert _launched_ahead(model) == reads_steps
+        results.append(model)
+    _assert_same_weights(*results)
+
+
+class _RefusesShortBatches(kt.TowerModel):
+    def train_step(self, state, data):
+        if keras.tree.flatten(data)[0].shape[0] < 8:
+            raise ValueError("this step takes batches of 8")
+        return super().train_step(state, data)
+
+
+def test_a_step_that_fails_while_traced_leaves_the_last_steps_weights():
+    """The short last step of a pass is traced anew and fails there, before
+    the call could take the towers' state: the towers keep the state of the
+    step before it, and the model's weights are those."""
+    x, y = _data(20)   # steps of 8, 8 and 4 examples
+    models = []
+    for _ in range(2):
+        keras.utils.set_random_seed(3)
+        inputs = keras.Input((5,))
+        model = _RefusesShortBatches(inputs, keras.layers.Dense(2)(inputs))
+        model.compile(optimizer="adam", loss="mse")
+        models.append(model)
+    failing, reference = models
+    with pytest.raises(Exception, match="batches of 8"):
+        failing.fit(x, y, batch_size=8, epochs=1, shuffle=False, verbose=0)
+    assert not _launched_ahead(failing)
+    reference.fit(x[:16], y[:16], batch_size=8, epochs=1, shuffle=False, verbose=0)
+    _assert_same_weights(failing, reference)

@@ -151,3 +151,33 @@ def test_metrics_parts_of_compile_are_found_on_this_keras():
 
     walk(compiled[0])
     assert {"accuracy", "seven", "wmse", "extra"} <= {n.split("_", 1)[-1] for n in names} | names
+
+
+def test_an_int64_metric_keeps_its_zeros_as_jax_holds_them():
+    """Without x64, JAX holds an int64 variable as int32: the zeros kept are
+    int32 too, so a second reset puts nothing new on the device."""
+    count = keras.metrics.Sum(dtype="int64", name="count")
+    inputs = keras.Input((4,))
+    model = kt.TowerModel(inputs, keras.layers.Dense(1)(inputs))
+    model.counted = count  # a metric the model tracks, besides compile's
+    model.compile(optimizer="sgd", loss="mse")
+    assert any(m is count for m in model.metrics)
+    model.fit(np.ones((8, 4), "float32"), np.ones((8, 1), "float32"), batch_size=4, verbose=0)
+    model.reset_metrics()
+    first = count.variables[0].value
+    count.update_state(np.array([3]))
+    model.reset_metrics()
+    assert count.variables[0].value is first and int(count.result()) == 0
+
+
+def test_a_reset_set_on_the_metric_itself_runs():
+    """Keras's reset_metrics calls `metric.reset_state()`, which may be one
+    set on the instance: it runs, not the zeros of its class's."""
+    mae = keras.metrics.MeanAbsoluteError(name="mae")
+    inputs = keras.Input((4,))
+    model = kt.TowerModel(inputs, keras.layers.Dense(1)(inputs))
+    model.compile(optimizer="sgd", loss="mse", metrics=[mae])
+    model.fit(np.ones((8, 4), "float32"), np.ones((8, 1), "float32"), batch_size=4, verbose=0)
+    mae.reset_state = lambda: mae.total.assign(5.0)
+    model.reset_metrics()
+    assert float(mae.total.numpy()) == 5.0 and float(mae.count.numpy()) > 0

@@ -71,7 +71,7 @@ class MetricResets:
                 self._reset(part)
             return
         zeroed = _ZEROING_RESETS.get(getattr(type(metric), "reset_state", None))
-        if zeroed is None:
+        if zeroed is None or "reset_state" in vars(metric):  # a reset set on the metric itself
             metric.reset_state()
             return
         for variable in zeroed(metric):
@@ -79,8 +79,9 @@ class MetricResets:
 
     def _zeros_of(self, variable):
         array = self._zeros.get(id(variable))
-        if (array is None or array.is_deleted() or array.shape != tuple(variable.shape)
-                or array.dtype != np.dtype(variable.dtype)):
-            array = jax.device_put(np.zeros(variable.shape, variable.dtype))
+        # As JAX holds it: without x64, an int64 variable holds int32.
+        dtype = jax.dtypes.canonicalize_dtype(variable.dtype)
+        if array is None or array.is_deleted() or array.shape != tuple(variable.shape) or array.dtype != dtype:
+            array = jax.device_put(np.zeros(variable.shape, dtype))
             self._zeros[id(variable)] = array
         return array

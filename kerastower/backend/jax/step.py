@@ -168,9 +168,19 @@ class TowerSteps(TowerState):
             function = self._function(f"train_steps:{len(steps)}",
                                       functools.partial(self._train_steps_body, len(steps)))
         state = (*self._current_state(), self._metric_state())
-        if not self.launches_ahead():
-            self._held = self._written = None  # donated to the step
-        return LaunchedSteps(steps, data, self.generation(), function(state, data, self._gate(going)))
+        donated = not self.launches_ahead()
+        try:
+            outputs = function(state, data, self._gate(going))
+        except BaseException:
+            # Tracing or compiling failed (or was interrupted) before the
+            # call took the state: the towers keep it, unless it was taken.
+            if donated and self._held is not None and any(
+                    value.is_deleted() for value in jax.tree.leaves(self._held)):
+                self._held = self._written = None
+            raise
+        if donated:
+            self._held = self._written = None  # the step took it
+        return LaunchedSteps(steps, data, self.generation(), outputs)
 
     def _gate(self, going):
         if going is not None:

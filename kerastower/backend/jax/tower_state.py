@@ -36,6 +36,22 @@ LAUNCH_AHEAD_MAX_BYTES = 1 << 30
 LAUNCH_AHEAD_MAX_BYTES_CPU = 1 << 20
 
 
+def _each_array_once(state):
+    """`state` with each array that appears in it again copied: two
+    variables may hold one array (`a.assign(b)` stores `b`'s; an optimizer's
+    EMA written into the weights), and a step that takes its state as its
+    own may take each buffer once (XLA refuses to donate one twice)."""
+    seen = set()
+
+    def once(value):
+        if id(value) in seen:
+            return jnp.array(value, copy=True)
+        seen.add(id(value))
+        return value
+
+    return jax.tree.map(once, state)
+
+
 class TowerState:
     """The training state `mesh`'s towers hold between the steps of
     `model`, and its way into the model's variables.
@@ -161,8 +177,8 @@ class TowerState:
         self._check_written()
         if self._held is not None:
             return self._held
-        return tuple(self._replicated([v.value for v in variables])
-                     for variables in self._variable_lists())
+        return _each_array_once(tuple(self._replicated([v.value for v in variables])
+                                      for variables in self._variable_lists()))
 
     def sync(self):
         """Writes what the towers hold into the model's variables. The next
