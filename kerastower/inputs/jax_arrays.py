@@ -66,6 +66,11 @@ class ArrayBatches:
                 f"got lengths {sorted(lengths)}."
             )
         self.length = lengths.pop()
+        # Gathered leaf by leaf and packed back as the element is: a step's
+        # batches cost the gather, not a walk of the structure each time.
+        self._leaves = [np.asarray(a) for a in leaves]
+        # (x, y[, sample_weight]) of arrays: a tuple of the leaves as they are.
+        self._flat = type(self._element) is tuple and all(hasattr(a, "shape") for a in self._element)
         self.batch_size = batch_size
         self.rows = ArrayRows(self.length, batch_size, shuffle)
 
@@ -93,7 +98,10 @@ class ArrayBatches:
         return self._take(np.arange(min(self.batch_size, self.length)))
 
     def _take(self, indices):
-        return keras.tree.map_structure(lambda a: np.asarray(a)[indices], self._element)
+        batch = [a[indices] for a in self._leaves]
+        if self._flat:
+            return tuple(batch)
+        return keras.tree.pack_sequence_as(self._element, batch)
 
     def one_pass(self, num_towers, pass_index=0, skip_steps=0):
         """The steps of pass `pass_index`, from step `skip_steps` on.

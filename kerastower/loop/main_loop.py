@@ -123,6 +123,7 @@ class Iteration:
     """
 
     steps_per_call = 1
+    batch_hooks = True  # False: no callback has a batch hook, so none is called
     tower_batch_size = None  # examples in a tower's batch of numpy arrays, else None
     array_order = None  # what orders shuffled numpy arrays (keras_order.order_kind), else None
 
@@ -319,13 +320,15 @@ class MainLoop:
             want = iteration.steps_per_call
             if limit:
                 want = min(want, limit - step)
-            callbacks.on_train_batch_begin(step)
+            if iteration.batch_hooks:
+                callbacks.on_train_batch_begin(step)
             ran, logs = iteration.run(want)
             if ran:
                 step += ran
                 loop.local_step = step
                 loop.global_step += ran
-                callbacks.on_train_batch_end(step - 1, logs)
+                if iteration.batch_hooks:
+                    callbacks.on_train_batch_end(step - 1, logs)
                 self.resume.stop_if_preempted()
             if ran < want:
                 iteration.ended_early(loop, step)

@@ -112,7 +112,7 @@ class FitFeed(Feed):
         taken = len(steps) if failed is None else done + 1
         num_towers = self.model.num_towers
         for batches in steps[:taken]:
-            examples = [len(keras.tree.flatten(b)[0]) for b in batches]
+            examples = [_examples(b) for b in batches]
             run.tower_batches = [n + 1 for n in run.tower_batches]
             run.examples += sum(examples)
             if run.tower_examples is None:
@@ -217,3 +217,10 @@ class FitFeed(Feed):
         if not steps:
             return ([], None)
         return steps, self.engine.tower_steps(len(steps[0])).place_steps(steps)
+
+
+def _examples(batch):
+    """The examples in one tower's batch: its first array's length."""
+    if type(batch) is tuple and hasattr(batch[0], "shape"):
+        return len(batch[0])  # (x, y, ...), x an array: no walk of the structure
+    return len(keras.tree.flatten(batch)[0])

@@ -219,6 +219,8 @@ def first_nonfinite_step(finite):
     if finite is None:
         return None
     finite = np.asarray(finite)
+    if np.logical_and.reduce(finite, axis=None):
+        return None
     finite = finite[None] if finite.ndim == 1 else finite   # one step's
     for step, flags in enumerate(finite):
         if not flags.all():

@@ -1,0 +1,109 @@
+"""The batch hooks fit calls: only where a callback has one of its own.
+
+Keras's CallbackList hands every step's logs to a thread for
+`on_train_batch_end` whether or not any callback has the hook; kerastower's
+loop calls neither batch hook where none of the run's callbacks has one
+(docs/performance.md). These tests count the CallbackList's own calls.
+"""
+
+import keras
+import numpy as np
+import pytest
+
+import kerastower as kt
+
+from shared_helpers import id_data
+from shared_helpers import mlp
+from shared_helpers import two_towers  # noqa: F401  (a fixture)
+
+STEPS = 4  # 32 examples, 2 towers of 4
+
+
+@pytest.fixture
+def hook_calls(monkeypatch):
+    """How many times keras's CallbackList ran each train-batch hook."""
+    calls = {"on_train_batch_begin": 0, "on_train_batch_end": 0}
+    for name in calls:
+        original = getattr(keras.callbacks.CallbackList, name)
+
+        def counted(self, *args, _name=name, _original=original, **kwargs):
+            calls[_name] += 1
+            return _original(self, *args, **kwargs)
+
+        monkeypatch.setattr(keras.callbacks.CallbackList, name, counted)
+    return calls
+
+
+class EpochEnds(keras.callbacks.Callback):
+    """A callback with an epoch hook only."""
+
+    def __init__(self):
+        super().__init__()
+        self.losses = []
+
+    def on_epoch_end(self, epoch, logs=None):
+        self.losses.append(logs["loss"])
+
+
+def _fit(callbacks, epochs=2, model=None):
+    model = model or mlp()
+    x, y = id_data(32)
+    return model, model.fit(x, y, batch_size=4, epochs=epochs, verbose=0, callbacks=callbacks)
+
+
+def test_no_batch_hook_is_called_where_no_callback_has_one(two_towers, hook_calls):
+    epoch_ends = EpochEnds()
+    _, history = _fit([epoch_ends])
+    assert hook_calls == {"on_train_batch_begin": 0, "on_train_batch_end": 0}
+    # The epochs still ran, and their callbacks saw their logs.
+    assert len(epoch_ends.losses) == 2
+    np.testing.assert_allclose(epoch_ends.losses, history.history["loss"])
+
+
+@pytest.mark.parametrize("hook", ["on_train_batch_end", "on_batch_end", "on_train_batch_begin",
+                                  "on_batch_begin"])
+def test_every_batch_hook_runs_where_a_callback_has_one(two_towers, hook_calls, hook):
+    seen = []
+
+    class OneHook(keras.callbacks.Callback):
+        pass
+
+    setattr(OneHook, hook, lambda self, batch, logs=None: seen.append(batch))
+    _fit([OneHook()])
+    assert hook_calls == {"on_train_batch_begin": 2 * STEPS, "on_train_batch_end": 2 * STEPS}
+    assert seen == list(range(STEPS)) * 2
+
+
+def test_a_hook_set_on_the_instance_runs(two_towers, hook_calls):
+    seen = []
+    _fit([keras.callbacks.LambdaCallback(on_train_batch_end=lambda batch, logs: seen.append(batch))])
+    assert seen == list(range(STEPS)) * 2
+    assert hook_calls["on_train_batch_end"] == 2 * STEPS
+
+
+def test_a_kerastower_callback_gets_every_step(two_towers, hook_calls):
+    class Steps(kt.callbacks.Callback):
+        def __init__(self):
+            super().__init__()
+            self.steps = []
+
+        def _trigger_step(self):
+            self.steps.append(self.global_step)
+
+    steps = Steps()
+    _fit([steps])
+    assert steps.steps == list(range(1, 2 * STEPS + 1))
+    assert hook_calls["on_train_batch_end"] == 2 * STEPS
+
+
+def test_a_callback_list_of_the_users_own_class_gets_every_hook(two_towers):
+    class Counting(keras.callbacks.CallbackList):
+        ends = 0
+
+        def on_train_batch_end(self, batch, logs=None):
+            Counting.ends += 1
+            super().on_train_batch_end(batch, logs)
+
+    model = mlp()
+    _fit(Counting([EpochEnds()], add_history=True, model=model), model=model)
+    assert Counting.ends == 2 * STEPS
