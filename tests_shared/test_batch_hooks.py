@@ -107,3 +107,32 @@ def test_a_callback_list_of_the_users_own_class_gets_every_hook(two_towers):
     model = mlp()
     _fit(Counting([EpochEnds()], add_history=True, model=model), model=model)
     assert Counting.ends == 2 * STEPS
+
+
+def test_a_hook_a_callback_sets_when_training_begins_runs(two_towers):
+    class HookedLater(keras.callbacks.Callback):
+        def __init__(self):
+            super().__init__()
+            self.seen = []
+
+        def on_train_begin(self, logs=None):
+            self.on_train_batch_end = lambda batch, logs=None: self.seen.append(batch)
+
+    later = HookedLater()
+    _fit([later])
+    assert later.seen == list(range(STEPS)) * 2
+
+
+def test_a_callback_added_to_the_list_when_training_begins_gets_every_step(two_towers):
+    seen = []
+
+    class AddsOne(keras.callbacks.Callback):
+        def on_train_begin(self, logs=None):
+            hooked = keras.callbacks.LambdaCallback(on_train_batch_end=lambda batch, logs: seen.append(batch))
+            hooked.set_model(self.model)
+            callback_list.callbacks.append(hooked)
+
+    model = mlp()
+    callback_list = keras.callbacks.CallbackList([AddsOne()], add_history=True, model=model)
+    _fit(callback_list, model=model)
+    assert seen == list(range(STEPS)) * 2

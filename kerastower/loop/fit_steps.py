@@ -57,13 +57,18 @@ class FitSteps(Iteration):
         # they are read once the next call is launched, or at the epoch's
         # end. One process only, so that every process stops at the same
         # point of the loop.
-        reads_steps = any(_reads_steps(callback) for callback in getattr(callbacks, "callbacks", callbacks or []))
-        self.flags_read_late = model.tower_strategy.single_process and not reads_steps
+        self.flags_read_late = model.tower_strategy.single_process and not self._callbacks_read_steps()
+        self._unsettled = None  # (the StepRun counted, its `settle`)
+
+    def _callbacks_read_steps(self):
+        callbacks = self.callbacks
+        return any(_reads_steps(callback) for callback in getattr(callbacks, "callbacks", callbacks or []))
+
+    def batch_hooks(self):
         # Keras's own CallbackList, none of whose callbacks has a batch hook:
         # calling its batch hooks would do nothing but hand each step's logs
         # to a thread.
-        self.batch_hooks = reads_steps or type(callbacks) is not keras.callbacks.CallbackList
-        self._unsettled = None  # (the StepRun counted, its `settle`)
+        return type(self.callbacks) is not keras.callbacks.CallbackList or self._callbacks_read_steps()
 
     @property
     def tower_batch_size(self):

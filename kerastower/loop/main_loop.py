@@ -123,7 +123,6 @@ class Iteration:
     """
 
     steps_per_call = 1
-    batch_hooks = True  # False: no callback has a batch hook, so none is called
     tower_batch_size = None  # examples in a tower's batch of numpy arrays, else None
     array_order = None  # what orders shuffled numpy arrays (keras_order.order_kind), else None
 
@@ -137,6 +136,11 @@ class Iteration:
 
     def run(self, num_steps):
         raise NotImplementedError
+
+    def batch_hooks(self):
+        """Whether the callbacks' batch hooks are called in the epoch
+        starting (False only where none of them has one)."""
+        return True
 
     def ended_early(self, loop, step):
         """The input ended after `step` steps of the epoch: raise if that is an error."""
@@ -313,6 +317,9 @@ class MainLoop:
         loop.epoch_ended = False
         iteration.before_epoch(loop)
         callbacks.on_epoch_begin(epoch_num - 1)
+        # Asked after on_train_begin and on_epoch_begin: a callback may set
+        # a hook of its own there.
+        batch_hooks = iteration.batch_hooks()
         # A pass of known length ends after its last step, as in Keras: no
         # on_train_batch_begin for a step that the input cannot give.
         limit = steps_per_epoch or loop.steps_per_epoch
@@ -320,14 +327,14 @@ class MainLoop:
             want = iteration.steps_per_call
             if limit:
                 want = min(want, limit - step)
-            if iteration.batch_hooks:
+            if batch_hooks:
                 callbacks.on_train_batch_begin(step)
             ran, logs = iteration.run(want)
             if ran:
                 step += ran
                 loop.local_step = step
                 loop.global_step += ran
-                if iteration.batch_hooks:
+                if batch_hooks:
                     callbacks.on_train_batch_end(step - 1, logs)
                 self.resume.stop_if_preempted()
             if ran < want:

@@ -193,15 +193,23 @@ def _sum(value):
     train step it cost 10-17% of a 1024-wide MLP's step (2-core VM); a
     product with a vector of ones runs as a matrix-vector product (Eigen:
     vectorised, threaded) and cost 5-6%. Elsewhere XLA's reductions are
-    its fast path, so they are kept. Either way a NaN or an Inf among the
-    terms makes the sum NaN or Inf.
+    its fast path, so they are kept (chosen as the step is compiled for
+    its devices). Either way a NaN or an Inf among the terms makes the sum
+    NaN or Inf.
     """
     dtype = _sum_dtype(value.dtype)
-    if jax.default_backend() != "cpu":
+
+    def by_products():
+        rows = value.reshape(-1, value.shape[-1]) if value.ndim else value.reshape(1, 1)
+        ones = jnp.ones((rows.shape[1],), value.dtype)
+        return jnp.sum(jnp.matmul(rows, ones, preferred_element_type=dtype))
+
+    def reduced():
         return jnp.sum(value, dtype=dtype)
-    rows = value.reshape(-1, value.shape[-1]) if value.ndim else value.reshape(1, 1)
-    ones = jnp.ones((rows.shape[1],), value.dtype)
-    return jnp.sum(jnp.matmul(rows, ones, preferred_element_type=dtype))
+
+    # Chosen for the devices the step is compiled for, not the process's
+    # default backend.
+    return jax.lax.platform_dependent(cpu=by_products, default=reduced)
 
 
 def _sum_dtype(dtype):
