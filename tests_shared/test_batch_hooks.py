@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 
 import kerastower as kt
+from kerastower.errors import NonFiniteError
 
 from shared_helpers import id_data
 from shared_helpers import mlp
@@ -136,3 +137,30 @@ def test_a_callback_added_to_the_list_when_training_begins_gets_every_step(two_t
     callback_list = keras.callbacks.CallbackList([AddsOne()], add_history=True, model=model)
     _fit(callback_list, model=model)
     assert seen == list(range(STEPS)) * 2
+
+
+@pytest.mark.parametrize("added", ["hook", "callback"])
+def test_a_reader_that_appears_when_training_begins_never_sees_a_step_that_was_not_applied(two_towers, added):
+    """Where no callback reads a step when fit starts, JAX's calls may come
+    back before their finite flags are read; a hook (or a callback) that
+    appears in on_train_begin must still see only applied steps, each once."""
+    seen = []
+
+    class Appears(keras.callbacks.Callback):
+        def on_train_begin(self, logs=None):
+            if added == "hook":
+                self.on_train_batch_end = lambda batch, logs=None: seen.append(batch)
+            else:
+                hooked = keras.callbacks.LambdaCallback(on_train_batch_end=lambda batch, logs: seen.append(batch))
+                hooked.set_model(self.model)
+                callback_list.callbacks.append(hooked)
+
+    model = mlp()
+    callback_list = keras.callbacks.CallbackList([Appears()], add_history=True, model=model)
+    x, _ = id_data(32)
+    x[17, 1] = np.nan  # the third step's (2 towers of 4 a step: examples 16-23)
+    _, y = id_data(32)
+    with pytest.raises(NonFiniteError):
+        model.fit(x, y, batch_size=4, epochs=1, shuffle=False, verbose=0, callbacks=callback_list)
+    assert sorted(seen) == [0, 1]  # Keras's list may run the hooks in a thread
+    assert model.loop.global_step == 2

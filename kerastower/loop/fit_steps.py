@@ -52,12 +52,7 @@ class FitSteps(Iteration):
         self.terminate_on_nan = bool(terminate_on_nan)
         # Keras 3.15's TerminateOnNaN(raise_error=True) raises instead.
         self.nan_raises = any(getattr(c, "raise_error", False) for c in terminate_on_nan)
-        # Where no callback reads a step before the epoch's end, a call may
-        # come back before its finite flags are read (`StepRun.settle`):
-        # they are read once the next call is launched, or at the epoch's
-        # end. One process only, so that every process stops at the same
-        # point of the loop.
-        self.flags_read_late = model.tower_strategy.single_process and not self._callbacks_read_steps()
+        self.flags_read_late = False  # decided at each epoch's start (`batch_hooks`)
         self._unsettled = None  # (the StepRun counted, its `settle`)
 
     def _callbacks_read_steps(self):
@@ -65,10 +60,20 @@ class FitSteps(Iteration):
         return any(_reads_steps(callback) for callback in getattr(callbacks, "callbacks", callbacks or []))
 
     def batch_hooks(self):
+        reads_steps = self._callbacks_read_steps()
+        # Where no callback reads a step before the epoch's end, a call may
+        # come back before its finite flags are read (`StepRun.settle`):
+        # they are read once the next call is launched, or at the epoch's
+        # end. One process only, so that every process stops at the same
+        # point of the loop. Decided here, after on_train_begin and each
+        # on_epoch_begin, as the hooks are: a callback may set a hook, or
+        # add a callback, there.
+        self.flags_read_late = self.feed.flags_read_late = (
+            self.model.tower_strategy.single_process and not reads_steps)
         # Keras's own CallbackList, none of whose callbacks has a batch hook:
         # calling its batch hooks would do nothing but hand each step's logs
         # to a thread.
-        return type(self.callbacks) is not keras.callbacks.CallbackList or self._callbacks_read_steps()
+        return type(self.callbacks) is not keras.callbacks.CallbackList or reads_steps
 
     @property
     def tower_batch_size(self):
@@ -81,7 +86,6 @@ class FitSteps(Iteration):
 
     def start(self, skip_batches, epoch_num):
         self.feed = self.model.engine.fit_feed(self.source, self.steps_per_epoch, self.steps_per_call)
-        self.feed.flags_read_late = self.flags_read_late
         self.feed.start(skip_batches, epoch_num)
 
     def before_epoch(self, loop):

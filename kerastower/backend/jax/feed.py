@@ -38,6 +38,15 @@ class FitFeed(Feed):
         self.steps_per_epoch = steps_per_epoch
         self.steps_per_call = steps_per_call
 
+    @property
+    def flags_read_late(self):
+        return self.engine.flags_read_late
+
+    @flags_read_late.setter
+    def flags_read_late(self, value):
+        # The engine's tower steps read it too (`TowerSteps.launches_ahead`).
+        self.engine.flags_read_late = value
+
     def start(self, skip_batches, epoch_num):
         """Arrays and PyDatasets replay their pass's order from the seed and
         skip what was taken; a generator's batches are read and dropped.
@@ -45,7 +54,7 @@ class FitFeed(Feed):
         whole."""
         self.endless = bool(self.steps_per_epoch)
         self._ahead = self._pending = self._launched = None
-        self.engine.flags_read_late = self.flags_read_late
+        self.flags_read_late = False  # until FitSteps asks the callbacks, at each epoch's start
         for tower_steps in self.engine.all_tower_steps():
             tower_steps.going = None  # a fit after a non-finite step trains again
         self._launching = True
