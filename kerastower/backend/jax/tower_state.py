@@ -32,7 +32,9 @@ LAUNCH_AHEAD_MAX_BYTES = 1 << 30
 # On a CPU each new state is fresh host memory, paid in page faults: on a
 # 2-core VM, 0.07 ms per MiB (a 1024-wide MLP's 22 MiB of weights and Adam
 # slots took 1.9 ms more a step), against about 0.1 ms of host work that
-# launching ahead hides.
+# launching ahead hides. The step that keeps its state also copies it
+# through the check's cond (docs/performance.md): writing into a spare
+# state's buffers instead of new ones still ran at 0.83 of a donated step.
 LAUNCH_AHEAD_MAX_BYTES_CPU = 1 << 20
 
 
