@@ -77,3 +77,33 @@ def test_a_call_writes_the_new_state_into_the_one_it_took(check_finite, steps_pe
     # arguments and outputs is less than one more state.
     memory = call.memory_analysis()
     assert memory.temp_size_in_bytes < _state_bytes(model), memory
+
+
+class _ReadsEachStep(keras.callbacks.Callback):
+    def on_train_batch_end(self, batch, logs=None):
+        pass
+
+
+def test_a_call_launched_ahead_writes_each_new_value_once():
+    """A call launched ahead does not take its state (it stays the towers'
+    until committed), so it writes a new one: with a select, each value
+    once; a cond copied the whole state into its operands and out of its
+    untaken branch."""
+    keras.utils.set_random_seed(0)
+    with kt.distributed("single", devices=[0]):
+        inputs = keras.Input((16,))
+        h = keras.layers.Dense(32, activation="relu")(inputs)
+        h = keras.layers.Dense(32, activation="relu")(h)
+        model = kt.TowerModel(inputs, keras.layers.Dense(4)(h))
+        model.compile(optimizer="adam", loss="mse")
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(64, 16)).astype("float32")
+    y = rng.normal(size=(64, 4)).astype("float32")
+    model.fit(x[:8], y[:8], batch_size=8, epochs=1, verbose=0)
+    compiled = _compiled_calls(model)
+    model.fit(x, y, batch_size=8, epochs=1, verbose=0, callbacks=[_ReadsEachStep()])
+    assert model.engine.tower_steps().launches_ahead()
+    (call,) = compiled.values()
+    copies = [line for line in call.as_text().splitlines()
+              if " copy(" in line and "f32[32,32]" in line.split("copy(")[0]]
+    assert copies == []
