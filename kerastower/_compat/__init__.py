@@ -158,6 +158,15 @@ def loss_tracker(model):
     return tracker
 
 
+def end_async_batch_hooks(callbacks):
+    """Waits for the batch hooks Keras's CallbackList runs in a thread and
+    ends its thread pool, as its on_train_end does, without calling any
+    callback's on_train_end (a failed fit)."""
+    if getattr(callbacks, "_async_train", False):
+        _method(callbacks, "_flush_futures")()
+        _method(callbacks, "_on_end")()
+
+
 def flatten_layers(model):
     return list(_method(model, "_flatten_layers")())
 

@@ -358,7 +358,13 @@ class MainLoop:
         # callbacks keep Keras's contract, where on_train_end means training
         # completed (BackupAndRestore would delete its backup). TensorBoard's
         # only closes its writers, which would else stay the thread's
-        # default summary writer after the failed run.
+        # default summary writer after the failed run. Hooks Keras's list
+        # still runs in its thread finish first: none runs after fit raised.
+        try:
+            _compat.end_async_batch_hooks(self.callbacks)
+        except Exception as error:  # the training error is the one to report
+            warnings.warn(f"kerastower: a batch hook failed while training was failing: "
+                          f"{type(error).__name__}: {error}")
         for callback in getattr(self.callbacks, "callbacks", []):
             if not isinstance(callback, (KtCallback, *TENSORBOARD_KINDS)):
                 continue

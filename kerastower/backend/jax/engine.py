@@ -53,8 +53,9 @@ class JaxEngine(StepEngine):
         steps.flags_read_late = self.flags_read_late
         return steps
 
-    # Whether fit's calls come back before their flags are read (set by
-    # `FitFeed.start`); the steps then take their state as their own.
+    # Whether fit's calls come back before their flags are read (set
+    # through `FitFeed.flags_read_late` at each epoch's start); the steps
+    # then take their state as their own.
     flags_read_late = False
 
     def all_tower_steps(self):

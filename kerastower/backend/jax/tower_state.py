@@ -75,8 +75,9 @@ class TowerState:
         self._written = None  # what `sync` left in the variables (see _check_written)
         self._generation = 0
         self._launches_ahead = None
-        # Set by fit's feed (`FitFeed.start`): its calls come back before
-        # their flags are read, so none waits for the one before.
+        # Set by fit's feed (`FitSteps.batch_hooks`, each epoch): its calls
+        # come back before their flags are read, so none waits for the one
+        # before.
         self.flags_read_late = False
         self._stack_metrics = None
         self._spans = spans_processes(mesh)
