@@ -220,9 +220,17 @@ def test_a_calls_flags_are_read_after_the_next_call_is_launched_unless_a_callbac
     reads.clear()
     checked.fit(x, y, batch_size=8, epochs=1, shuffle=False, verbose=0, callbacks=[_BatchLog()])
     assert reads == [(24 + steps_per_execution * k, False) for k in range(calls)]
+    # A progress bar (kerastower's, fit's verbose=1, or Keras's) only shows
+    # each step's logs: the flags are still read late.
+    for progress_bar in ([], [keras.callbacks.ProgbarLogger()]):
+        reads.clear()
+        start = checked.loop.global_step
+        checked.fit(x, y, batch_size=8, epochs=1, shuffle=False, verbose=1, callbacks=progress_bar)
+        assert reads == [(start + steps_per_execution * k, k == calls) for k in range(1, calls + 1)]
 
 
-@pytest.mark.parametrize("width,reads_steps", [(8, False), (8, True), (512, False), (512, True)])
+@pytest.mark.parametrize("width,reads_steps", [(8, False), (8, True), (512, False), (512, True),
+                                               (8, "progress bar"), (512, "progress bar")])
 def test_a_nonfinite_call_gates_the_call_launched_before_its_flags_were_read(width, reads_steps):
     """Call k + 1 is launched before call k's flags are read: where no
     callback reads a step (its flags are read late), with a state each
@@ -244,10 +252,12 @@ def test_a_nonfinite_call_gates_the_call_launched_before_its_flags_were_read(wid
         models.append(model)
     failing, reference = models
     with pytest.raises(NonFiniteError) as caught:
-        failing.fit(x, y_bad, batch_size=8, epochs=1, shuffle=False, verbose=0,
-                    callbacks=[_BatchLog()] if reads_steps else [])
+        failing.fit(x, y_bad, batch_size=8, epochs=1, shuffle=False,
+                    verbose=int(reads_steps == "progress bar"),
+                    callbacks=[_BatchLog()] if reads_steps is True else [])
     reference.fit(x[:40], y[:40], batch_size=8, epochs=1, shuffle=False, verbose=0)
-    assert _launched_ahead(failing) == (width == 8 and reads_steps)
+    assert _launched_ahead(failing) == (width == 8 and reads_steps is True)
+
     assert caught.value.global_step == 6 and failing.loop.global_step == 5
     assert int(failing.optimizer.iterations) == 5
     _assert_same_weights(failing, reference)

@@ -6,6 +6,7 @@ import os
 import subprocess
 import sys
 import textwrap
+import threading
 import warnings
 
 import jax
@@ -140,3 +141,28 @@ def test_per_step_monitors_read_the_runs_counters_without_syncing_the_weights(tm
     assert model.loop.global_step == steps * epochs
     # What is left is per epoch (its end's sync, the learning rate read).
     assert len(syncs) <= 5 * epochs, len(syncs)
+
+
+def test_the_progress_bar_shows_each_step_from_kerass_callback_thread(monkeypatch, capsys):
+    """fit's progress bar (verbose=1) only shows each step's logs, so
+    Keras's CallbackList runs its batch hook in its own thread, as it runs
+    Keras's progress bar: reading a step's logs there never holds up the
+    next step, and every step is still handed to it by the epoch's end
+    (in any order: Keras's pool has several threads)."""
+    from kerastower.callbacks.monitors import ProgressBar
+
+    shown = []
+    original = ProgressBar.on_train_batch_end
+
+    def noted(self, batch, logs=None):
+        shown.append((batch, threading.current_thread() is threading.main_thread()))
+        return original(self, batch, logs)
+
+    monkeypatch.setattr(ProgressBar, "on_train_batch_end", noted)
+    inputs = keras.Input((3,))
+    model = kt.TowerModel(inputs, keras.layers.Dense(1)(inputs))
+    model.compile(optimizer="sgd", loss="mse")
+    x, y = np.ones((16, 3), "float32"), np.ones((16, 1), "float32")
+    model.fit(x, y, batch_size=4, epochs=2, verbose=1)
+    assert sorted(shown) == sorted([(batch, False) for batch in range(4)] * 2)
+    assert capsys.readouterr().out.count("4/4") >= 2

@@ -24,6 +24,7 @@ error, and training, the other callbacks and checkpoints go on.
 import json
 import os
 import statistics
+import threading
 import time
 
 import keras
@@ -66,6 +67,10 @@ class ProgressBar(RunAware, keras.callbacks.ProgbarLogger):
     """
 
     chief_only = True
+    # Its batch hook only shows the logs: Keras's CallbackList may run it in
+    # its thread, so that reading a step's logs never holds up the next
+    # step (as Keras's own progress bar, added after that choice, is run).
+    async_safe = True
 
     def on_epoch_end(self, epoch, logs=None):
         shown = dict(logs or {})
@@ -77,15 +82,23 @@ class ProgressBar(RunAware, keras.callbacks.ProgbarLogger):
     def on_epoch_begin(self, epoch, logs=None):
         super().on_epoch_begin(epoch, logs)
         self._epoch_start = (time.perf_counter(), self.loop.examples_seen)
+        self._shown = (threading.Lock(), [-1])
 
     def on_train_batch_end(self, batch, logs=None):
-        start_time, start_examples = self._epoch_start
-        seconds = time.perf_counter() - start_time
-        examples = self.loop.examples_seen - start_examples
-        shown = dict(logs or {})
-        if seconds > 0 and examples > 0:
-            shown["samples/s"] = examples / seconds
-        super().on_train_batch_end(batch, shown)
+        # Keras's thread pool may run two steps' hooks at once, or a later
+        # step's first: the bar moves forward only.
+        lock, last = self._shown
+        with lock:
+            if batch <= last[0]:
+                return
+            last[0] = batch
+            start_time, start_examples = self._epoch_start
+            seconds = time.perf_counter() - start_time
+            examples = self.loop.examples_seen - start_examples
+            shown = dict(logs or {})
+            if seconds > 0 and examples > 0:
+                shown["samples/s"] = examples / seconds
+            super().on_train_batch_end(batch, shown)
 
 
 def _learning_rate(model):

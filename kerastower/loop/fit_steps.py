@@ -11,6 +11,7 @@ from kerastower import _compat
 from kerastower.callbacks.base import Callback as KtCallback
 from kerastower.callbacks.base import RunHooks
 from kerastower.callbacks.base import unwrapped
+from kerastower.callbacks.monitors import ProgressBar
 from kerastower.errors import nonfinite_error
 from kerastower.errors import InputSourceError
 from kerastower.inputs.keras_order import order_kind
@@ -52,28 +53,25 @@ class FitSteps(Iteration):
         self.terminate_on_nan = bool(terminate_on_nan)
         # Keras 3.15's TerminateOnNaN(raise_error=True) raises instead.
         self.nan_raises = any(getattr(c, "raise_error", False) for c in terminate_on_nan)
-        self.flags_read_late = False  # decided at each epoch's start (`batch_hooks`)
         self._unsettled = None  # (the StepRun counted, its `settle`)
 
-    def _callbacks_read_steps(self):
-        callbacks = self.callbacks
-        return any(_reads_steps(callback) for callback in getattr(callbacks, "callbacks", callbacks or []))
-
     def batch_hooks(self):
-        reads_steps = self._callbacks_read_steps()
-        # Where no callback reads a step before the epoch's end, a call may
-        # come back before its finite flags are read (`StepRun.settle`):
-        # they are read once the next call is launched, or at the epoch's
-        # end. One process only, so that every process stops at the same
-        # point of the loop. Decided here, after on_train_begin and each
-        # on_epoch_begin, as the hooks are: a callback may set a hook, or
-        # add a callback, there.
-        self.flags_read_late = self.feed.flags_read_late = (
-            self.model.tower_strategy.single_process and not reads_steps)
+        callbacks = self.callbacks
+        callbacks = getattr(callbacks, "callbacks", callbacks or [])
+        # Where no callback reads a step before the epoch's end (a progress
+        # bar only shows it), a call may come back before its finite flags
+        # are read (`StepRun.settle`): they are read once the next call is
+        # launched, or at the epoch's end. One process only, so that every
+        # process stops at the same point of the loop. Decided here, after
+        # on_train_begin and each on_epoch_begin, as the hooks are: a
+        # callback may set a hook, or add a callback, there.
+        self.feed.flags_read_late = (
+            self.model.tower_strategy.single_process and not any(map(_reads_steps, callbacks)))
         # Keras's own CallbackList, none of whose callbacks has a batch hook:
         # calling its batch hooks would do nothing but hand each step's logs
         # to a thread.
-        return type(self.callbacks) is not keras.callbacks.CallbackList or reads_steps
+        return (type(self.callbacks) is not keras.callbacks.CallbackList
+                or any(map(_has_batch_hooks, callbacks)))
 
     @property
     def tower_batch_size(self):
@@ -217,19 +215,33 @@ class FitSteps(Iteration):
             announce_total_batch(self.model.tower_strategy, self.verbose, tower_examples)
 
 
+_PROGRESS_BARS = (keras.callbacks.ProgbarLogger, ProgressBar)
+
 _BATCH_HOOKS = ("on_train_batch_begin", "on_train_batch_end", "on_batch_begin", "on_batch_end")
 
 
-def _reads_steps(callback):
-    """Whether `callback` may read the model or the loop between an epoch's
-    steps: a kt callback (its triggers and run hooks), or a Keras callback
-    with a batch hook of its own."""
+def _has_batch_hooks(callback):
+    """Whether the loop must call `callback` between an epoch's steps: a kt
+    callback (its triggers and run hooks), or a Keras callback with a batch
+    hook of its own."""
     if isinstance(callback, KtCallback):
         return True
     # The bound hook, not the class's: LambdaCallback sets its hooks on the
     # instance.
     return any(getattr(getattr(callback, hook, None), "__func__", None)
                is not getattr(keras.callbacks.Callback, hook) for hook in _BATCH_HOOKS)
+
+
+def _reads_steps(callback):
+    """Whether `callback` may read the model, or act on a step, between an
+    epoch's steps: any callback with batch hooks but a progress bar (Keras's
+    `ProgbarLogger` or kerastower's `ProgressBar`, not a subclass), which
+    only shows each step's logs. On JAX a progress bar may so show the
+    logs of a step whose gradients turn out not finite, just before
+    training stops at that step."""
+    if type(callback) in _PROGRESS_BARS:
+        return False
+    return _has_batch_hooks(callback)
 
 
 def _due(epoch, validation_freq):
