@@ -11,6 +11,8 @@ and their median reported. On a shared VM the speed drifts between rounds
 by up to 2x; the per-round ratio drifts much less.
 """
 
+import contextlib
+import io
 import statistics
 import time
 
@@ -48,6 +50,31 @@ def fit_runner(fit, warmup=WARMUP):
         timer = StepTimer(warmup)
         fit(warmup + steps, [timer])
         return timer.seconds()
+
+    return run
+
+
+class FitTimer(keras.callbacks.Callback):
+    """Times one whole `fit`, from on_train_begin to on_train_end, with no
+    batch hook: what a fit with no per-step reader of its own costs."""
+
+    def on_train_begin(self, logs=None):
+        self.start = (time.perf_counter(), time.process_time())
+
+    def on_train_end(self, logs=None):
+        self.end = (time.perf_counter(), time.process_time())
+
+
+def whole_fit_runner(fit, warmup=WARMUP):
+    """A runner from `fit(steps, callbacks)` timing the whole fit (its
+    warm-up steps and its start and end included, so a little slower than
+    `fit_runner`'s steps; the stdout a progress bar writes is kept)."""
+
+    def run(steps):
+        timer = FitTimer()
+        with contextlib.redirect_stdout(io.StringIO()):
+            fit(warmup + steps, [timer])
+        return timer.end[0] - timer.start[0], timer.end[1] - timer.start[1], warmup + steps
 
     return run
 

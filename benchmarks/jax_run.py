@@ -17,7 +17,10 @@ kt-JAX fit runs one tower on one device from numpy arrays (what a user
 passes), and with `--towers N` also N towers on N devices (forced host
 devices on a CPU: they share its cores). Stock Keras-JAX `fit` runs the same
 model from the same arrays. The spe rows run kt-JAX and stock Keras-JAX fit
-with `steps_per_execution` (K steps in one jitted call). Ratios are taken round by round in one process
+with `steps_per_execution` (K steps in one jitted call). The other rows time
+steps with a callback's batch hook, which makes both fits wait for each
+step's logs; the verbose=1 row is fit as most users call it (a progress bar,
+no callback of their own), each fit timed whole. Ratios are taken round by round in one process
 (harness.py), rates in samples per second.
 """
 
@@ -31,7 +34,6 @@ os.environ.setdefault("KERAS_BACKEND", "jax")
 
 import jax  # noqa: E402
 import keras  # noqa: E402
-import numpy as np  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import harness  # noqa: E402
@@ -75,6 +77,13 @@ def fit_runner(model, x, y, batch):
         x, y, batch_size=batch, steps_per_epoch=steps, epochs=1, verbose=0, callbacks=callbacks))
 
 
+def progress_bar_runner(model, x, y, batch):
+    """fit as most users call it: verbose=1 (a progress bar), no callback
+    of their own; each fit timed whole."""
+    return harness.whole_fit_runner(lambda steps, callbacks: model.fit(
+        x, y, batch_size=batch, steps_per_epoch=steps, epochs=1, verbose=1, callbacks=callbacks))
+
+
 def rows_for(build, batch, towers, steps, rounds, spe=8, data_steps=64, fixed_rounds=15):
     # Stock Keras fit stops where arrays end: they hold every step a fit takes.
     data_steps = max(data_steps, harness.WARMUP + steps + spe)
@@ -95,6 +104,8 @@ def rows_for(build, batch, towers, steps, rounds, spe=8, data_steps=64, fixed_ro
         "stock": (fit_runner(stock, x, y, batch), batch),
         "kt spe": (fit_runner(several, x, y, batch), batch),
         "stock spe": (fit_runner(stock_several, x, y, batch), batch),
+        "kt verbose=1": (progress_bar_runner(tower_model, x, y, batch), batch),
+        "stock verbose=1": (progress_bar_runner(stock, x, y, batch), batch),
     }
     if towers > 1:
         with kt.distributed("mirrored", devices=list(range(towers))):
@@ -109,6 +120,8 @@ def rows_for(build, batch, towers, steps, rounds, spe=8, data_steps=64, fixed_ro
         (f"JAX {name}", f"kt fit, steps_per_execution={spe} / bare jitted step", "kt spe", "bare", 0.98),
         (f"JAX {name}", f"kt fit / stock Keras-JAX fit, both steps_per_execution={spe}", "kt spe",
          "stock spe", 1.0),
+        (f"JAX {name}", "kt fit / stock Keras-JAX fit, both verbose=1 (the progress bar), timed whole",
+         "kt verbose=1", "stock verbose=1", 1.0),
     ]
     if towers > 1:
         rows.append((f"JAX {name}", f"kt fit {towers} towers / kt fit 1 device", "kt towers", "kt", None))
