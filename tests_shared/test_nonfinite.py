@@ -198,3 +198,29 @@ def test_a_lambda_callbacks_batch_hook_never_sees_the_nonfinite_step():
         model.fit(x_bad, y, batch_size=4, shuffle=False, verbose=0, callbacks=[hook])
     assert caught.value.global_step == 2
     assert seen == [(0, 1)]
+
+
+def test_a_terminate_on_nan_and_a_kt_callback_added_when_training_begins_act():
+    """A callback may add others to the list in on_train_begin (as the
+    loop asks for batch hooks after it): a TerminateOnNaN added there ends
+    fit normally, and a kt callback added there gets its run hooks."""
+    x, y, x_bad = _data()   # step 2 is not finite
+    runs = []
+
+    class CountsRuns(kt.callbacks.Callback):
+        def _before_run(self):
+            runs.append(self.global_step)
+
+    class AddsThem(keras.callbacks.Callback):
+        def on_train_begin(self, logs=None):
+            for added in (keras.callbacks.TerminateOnNaN(), CountsRuns()):
+                added.set_model(self.model)
+                callback_list.callbacks.append(added)
+
+    model = _model()
+    callback_list = keras.callbacks.CallbackList([AddsThem()], add_history=True, model=model)
+    history = model.fit(x_bad, y, batch_size=4, shuffle=False, epochs=3, verbose=0,
+                        callbacks=callback_list)
+    assert model.stop_training and model.loop.global_step == 1
+    assert len(history.history["loss"]) == 1
+    assert runs == [0, 1]

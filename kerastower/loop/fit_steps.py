@@ -38,7 +38,6 @@ class FitSteps(Iteration):
         self.model = model
         self.source = source
         self.callbacks = callbacks
-        self.run_hooks = RunHooks(callbacks)
         self.steps_per_epoch = steps_per_epoch
         self.validation = validation
         self.verbose = verbose
@@ -47,17 +46,19 @@ class FitSteps(Iteration):
         self.final_logs = None  # StepRun.final_logs of the last steps
         self._announced = False
         self.failure = None
-        terminate_on_nan = [
-            unwrapped(callback) for callback in getattr(callbacks, "callbacks", callbacks or [])
-            if isinstance(unwrapped(callback), keras.callbacks.TerminateOnNaN)]
-        self.terminate_on_nan = bool(terminate_on_nan)
-        # Keras 3.15's TerminateOnNaN(raise_error=True) raises instead.
-        self.nan_raises = any(getattr(c, "raise_error", False) for c in terminate_on_nan)
         self._unsettled = None  # (the StepRun counted, its `settle`)
 
     def batch_hooks(self):
         callbacks = self.callbacks
         callbacks = getattr(callbacks, "callbacks", callbacks or [])
+        # Read at each epoch's start, after on_train_begin and on_epoch_begin,
+        # where a callback may add another to the list.
+        self.run_hooks = RunHooks(callbacks)
+        terminate_on_nan = [unwrapped(callback) for callback in callbacks
+                            if isinstance(unwrapped(callback), keras.callbacks.TerminateOnNaN)]
+        self.terminate_on_nan = bool(terminate_on_nan)
+        # Keras 3.15's TerminateOnNaN(raise_error=True) raises instead.
+        self.nan_raises = any(getattr(c, "raise_error", False) for c in terminate_on_nan)
         # Where no callback reads a step before the epoch's end (a progress
         # bar only shows it), a call may come back before its finite flags
         # are read (`StepRun.settle`): they are read once the next call is
