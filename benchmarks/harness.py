@@ -66,9 +66,10 @@ class FitTimer(keras.callbacks.Callback):
 
 
 def whole_fit_runner(fit, warmup=WARMUP):
-    """A runner from `fit(steps, callbacks)` timing the whole fit (its
-    warm-up steps and its start and end included, so a little slower than
-    `fit_runner`'s steps; the stdout a progress bar writes is kept)."""
+    """A runner from `fit(steps, callbacks)` timing the fit from its
+    on_train_begin to its on_train_end (its warm-up steps included, so a
+    little slower than `fit_runner`'s steps; what a progress bar prints is
+    thrown away)."""
 
     def run(steps):
         timer = FitTimer()

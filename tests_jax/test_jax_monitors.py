@@ -166,3 +166,58 @@ def test_the_progress_bar_shows_each_step_from_kerass_callback_thread(monkeypatc
     model.fit(x, y, batch_size=4, epochs=2, verbose=1)
     assert sorted(shown) == sorted([(batch, False) for batch in range(4)] * 2)
     assert capsys.readouterr().out.count("4/4") >= 2
+
+
+def test_a_reader_added_when_training_begins_runs_in_the_loops_thread():
+    """With only the progress bar hooked, Keras's CallbackList chooses its
+    thread when it is made; a callback added in on_train_begin whose batch
+    hook reads the model must still run in the loop's thread, between the
+    steps, and see each step's own weights."""
+    seen = []
+
+    def read(batch, logs):
+        seen.append((batch, threading.current_thread() is threading.main_thread(),
+                     int(added.model.optimizer.iterations)))
+
+    added = keras.callbacks.LambdaCallback(on_train_batch_end=read)
+
+    class AddsOne(keras.callbacks.Callback):
+        def on_train_begin(self, logs=None):
+            added.set_model(self.model)
+            callback_list.callbacks.append(added)
+
+    inputs = keras.Input((3,))
+    model = kt.TowerModel(inputs, keras.layers.Dense(1)(inputs))
+    model.compile(optimizer="sgd", loss="mse")
+    callback_list = keras.callbacks.CallbackList(
+        kt.callbacks.defaults.with_default_monitors([AddsOne()], verbose=1, logdir=None),
+        add_history=True, model=model)
+    x, y = np.ones((16, 3), "float32"), np.ones((16, 1), "float32")
+    model.fit(x, y, batch_size=4, epochs=2, verbose=1, callbacks=callback_list)
+    assert seen == [(step % 4, True, step + 1) for step in range(8)]
+
+
+def test_only_kerastowers_own_progress_bar_is_async_safe():
+    from kerastower.callbacks.monitors import ProgressBar
+
+    class ShowsMore(ProgressBar):
+        pass
+
+    assert ProgressBar().async_safe is True
+    assert ShowsMore().async_safe is False
+
+
+def test_the_progress_bar_moves_forward_only(capsys):
+    """Keras's thread pool may hand it a later step first."""
+    from kerastower.callbacks.monitors import ProgressBar
+
+    bar = ProgressBar()
+    bar.set_params({"epochs": 1, "steps": 4, "verbose": 1})
+    bar.training_run = type("Run", (), {"state": kt.LoopState()})()
+    bar.on_train_begin()
+    bar.on_epoch_begin(0)
+    shown = []
+    for batch in (0, 2, 1, 3):
+        bar.on_train_batch_end(batch, {"loss": float(batch)})
+        shown.append(bar.seen)
+    assert shown == [1, 3, 3, 4]

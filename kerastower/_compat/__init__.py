@@ -158,13 +158,31 @@ def loss_tracker(model):
     return tracker
 
 
+def _flush_async_batch_hooks(callbacks):
+    # Keras 3.10 named it `_clear_futures`.
+    name = "_clear_futures" if hasattr(callbacks, "_clear_futures") else "_flush_futures"
+    _method(callbacks, name)()
+
+
 def end_async_batch_hooks(callbacks):
     """Waits for the batch hooks Keras's CallbackList runs in a thread and
     ends its thread pool, as its on_train_end does, without calling any
-    callback's on_train_end (a failed fit)."""
+    callback's on_train_end (a failed fit). Keras 3.10's pool lives as
+    long as the list: there is nothing to end."""
     if getattr(callbacks, "_async_train", False):
-        _method(callbacks, "_flush_futures")()
-        _method(callbacks, "_on_end")()
+        _flush_async_batch_hooks(callbacks)
+        if not hasattr(callbacks, "_clear_futures"):
+            _method(callbacks, "_on_end")()
+
+
+def run_train_batch_hooks_in_loop(callbacks):
+    """Makes Keras's CallbackList call its train-batch hooks in the loop's
+    thread from now on, where it chose its thread pool when it was made
+    (every callback then had no batch hook, or was `async_safe`): a callback
+    added to it since may read the model between steps."""
+    if getattr(callbacks, "_async_train", False):
+        _flush_async_batch_hooks(callbacks)
+        callbacks._async_train = False
 
 
 def flatten_layers(model):

@@ -81,7 +81,7 @@ class Feed:
         raise NotImplementedError
 
     # Set by FitSteps where nothing reads a step before the epoch's end
-    # (no callback with a batch hook): a call may then come back before its
+    # (no callback with a batch hook but a progress bar): a call may then come back before its
     # finite flags are read (`StepRun.settle`), the next call gated on them.
     flags_read_late = False
 

@@ -67,10 +67,14 @@ class ProgressBar(RunAware, keras.callbacks.ProgbarLogger):
     """
 
     chief_only = True
-    # Its batch hook only shows the logs: Keras's CallbackList may run it in
-    # its thread, so that reading a step's logs never holds up the next
-    # step (as Keras's own progress bar, added after that choice, is run).
-    async_safe = True
+
+    @property
+    def async_safe(self):
+        """True: its batch hook only shows the logs, so Keras's CallbackList
+        may run it in its thread and reading a step's logs never holds up
+        the next step (as Keras's own progress bar, added after that choice,
+        is run). Not for a subclass, which may read more."""
+        return type(self) is ProgressBar
 
     def on_epoch_end(self, epoch, logs=None):
         shown = dict(logs or {})

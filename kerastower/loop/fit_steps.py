@@ -66,8 +66,12 @@ class FitSteps(Iteration):
         # process stops at the same point of the loop. Decided here, after
         # on_train_begin and each on_epoch_begin, as the hooks are: a
         # callback may set a hook, or add a callback, there.
-        self.feed.flags_read_late = (
-            self.model.tower_strategy.single_process and not any(map(_reads_steps, callbacks)))
+        reads_steps = any(map(_reads_steps, callbacks))
+        self.feed.flags_read_late = self.model.tower_strategy.single_process and not reads_steps
+        if reads_steps:
+            # A reader added to the list since Keras chose to run its batch
+            # hooks in a thread must see the step it is called for.
+            _compat.run_train_batch_hooks_in_loop(self.callbacks)
         # Keras's own CallbackList, none of whose callbacks has a batch hook:
         # calling its batch hooks would do nothing but hand each step's logs
         # to a thread.
