@@ -354,6 +354,28 @@ def numpy_input(build, batch, steps, rounds, goal=1.2):
     ]
 
 
+def dataset_input(build, batch, steps, rounds):
+    """P0: `fit(dataset)` of a finite, shuffled `from_tensor_slices(...).batch()`
+    pipeline (keras.io's way, no `.repeat()`) on one device, one pass an
+    epoch: kerastower against stock Keras."""
+    from harness import WARMUP
+
+    x, y = models.examples(build, (WARMUP + steps) * batch)
+    stock = models.compile_model(build(keras.Model))
+    tower = _tower_model("single", build)
+
+    def one_pass(model):
+        dataset = tf.data.Dataset.from_tensor_slices((x, y)).shuffle(len(x), seed=0).batch(batch).prefetch(2)
+        return lambda _, cbs: model.fit(dataset, epochs=1, verbose=0, callbacks=cbs)
+
+    runners = {"stock": (harness.fit_runner(one_pass(stock)), batch),
+               "kt": (harness.fit_runner(one_pass(tower)), batch)}
+    result = harness.compare(runners, steps, rounds)
+    return [(f"P0 {build.__name__}, tf.data one pass, shuffled", "kt fit 1 device / stock Keras fit",
+             result.ratio("kt", "stock"), result.ratio("kt", "stock", cpu=True), 1.0,
+             f"{result.rate('stock'):.0f} samples/s stock")]
+
+
 def fixed_costs(build, rounds, batch=32):
     """Fixed costs of a `fit` and of an epoch, kerastower on one device
     against stock Keras (harness.fixed_costs)."""

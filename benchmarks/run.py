@@ -8,7 +8,8 @@ side by side in this process (Horovod's ranks run as their own processes),
 with the goal where the project sets one:
 
   P0   fit(x, y) from shuffled numpy on one device / stock Keras fit and
-       a Python loop of numpy gathers calling the same compiled step
+       a Python loop of numpy gathers calling the same compiled step;
+       fit(dataset) of a finite shuffled pipeline / stock Keras fit
   P1   TowerModel.fit on one device / a bare compiled step on constants
   P2   2 towers / stock Keras fit under MirroredStrategy, same total batch
   P3   GeneratorInput over a slow Python source / a constant input
@@ -101,7 +102,8 @@ def main():
     sections = [
         ("P0", lambda: cases.numpy_input(models.mlp256, 128, 2 * steps, rounds)
          + cases.numpy_input(models.convnet, 64, steps, rounds, goal=1.0)
-         + cases.numpy_input(models.transformer, 32, steps, rounds, goal=1.0)),
+         + cases.numpy_input(models.transformer, 32, steps, rounds, goal=1.0)
+         + cases.dataset_input(models.mlp256, 128, 2 * steps, rounds)),
         ("P1", lambda: cases.fit_vs_bare(models.mlp, 256, steps, rounds)
          + cases.fit_vs_bare(models.convnet, 64, steps, rounds)),
         ("P2", lambda: cases.towers_vs_stock(models.small_mlp, devices[:2], 32, steps, rounds)

@@ -259,6 +259,74 @@ def test_one_step_of_an_endless_input_runs_without_the_step_loop():
         np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-6)
 
 
+def _two_tower_pipeline_run(n, epochs=2):
+    """(the straight-call record, weights, history) of 2 towers fitting a
+    shared pipeline of `n` examples in batches of B, dealt out."""
+    x, y = _data(n=n)
+    with kt.distributed("mirrored", devices=TWO):
+        keras.utils.set_random_seed(3)
+        model = _model(norm=False)
+        calls = _StepCalls()
+        history = model.fit(tf.data.Dataset.from_tensor_slices((x, y)).batch(B), epochs=epochs,
+                            verbose=0, callbacks=[calls])
+    return calls.num_steps, model, history.history
+
+
+def test_a_finite_input_that_fills_every_step_runs_without_the_step_loop():
+    """A finite pipeline whose passes give every tower a batch at every step
+    (lengths known, equal shares) runs its one-step calls straight, as an
+    endless input does, and trains, counts and logs as one device on the
+    joined batches; one whose last step leaves a tower out, or whose length
+    is unknown, keeps the loop."""
+    x, y = _data(n=48)
+    keras.utils.set_random_seed(3)
+    model = _model(norm=False)
+    calls = _StepCalls()
+    history = model.fit(tf.data.Dataset.from_tensor_slices((x, y)).batch(B), epochs=2, verbose=0,
+                        callbacks=[calls])
+    assert "int" in calls.num_steps
+    keras.utils.set_random_seed(3)
+    unknown = _model(norm=False)
+    calls = _StepCalls()
+    unknown.fit(tf.data.Dataset.from_tensor_slices((x, y)).filter(lambda *_: True).batch(B), epochs=2,
+                verbose=0, callbacks=[calls])
+    assert calls.num_steps and "int" not in calls.num_steps
+    for a, b in zip(unknown.get_weights(), model.get_weights()):
+        np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-6)
+    assert model.loop.examples_seen == unknown.loop.examples_seen == 96
+
+    # 2 towers, 6 batches a pass: 3 full steps; one device on joined batches.
+    straight, towers, tower_history = _two_tower_pipeline_run(48)
+    assert "int" in straight
+    keras.utils.set_random_seed(3)
+    reference = _model(norm=False)
+    expected = reference.fit(tf.data.Dataset.from_tensor_slices((x, y)).batch(2 * B), epochs=2,
+                             verbose=0)
+    for a, b in zip(reference.get_weights(), towers.get_weights()):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5)
+    for key in expected.history:
+        np.testing.assert_allclose(tower_history[key], expected.history[key], rtol=1e-5)
+    assert towers.loop.examples_seen == 96 and towers.loop.tower_batches == [3, 3]
+    # 5 batches a pass: the last step has tower 0's batch only.
+    short, towers, _ = _two_tower_pipeline_run(40)
+    assert short and "int" not in short
+    assert towers.loop.examples_seen == 80 and towers.loop.tower_batches == [3, 2]
+
+
+def test_a_resumed_pass_that_leaves_unequal_shares_keeps_the_step_loop():
+    """A pass resumed after an odd number of a shared pipeline's batches
+    (as a checkpoint saved on one tower leaves it) would leave 2 towers a
+    last step with one batch: its steps ask whether data is left."""
+    from kerastower.backend.tensorflow.engine import fills_every_step
+    from kerastower.inputs.sources import DatasetInput
+
+    six = DatasetInput(tf.data.Dataset.range(12).batch(2))
+    with kt.distributed("mirrored", devices=TWO) as strategy:
+        assert fills_every_step(six, strategy) and fills_every_step(six, strategy, [1, 1])
+        assert not fills_every_step(six, strategy, [3])
+        assert not fills_every_step(six, strategy, [2, 1])
+
+
 def test_a_nan_in_a_straight_step_stops_at_that_step():
     from kerastower.errors import NonFiniteError
 

@@ -211,3 +211,6 @@ class ArrayInput(DatasetInput):
 
     def steps(self, total):
         return None if self._repeat else self.rows.num_steps(total)
+
+    def fills_every_step(self, total):
+        return not self._repeat and self.rows.num_batches() % total == 0

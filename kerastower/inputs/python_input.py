@@ -127,6 +127,11 @@ class PythonSourceInput(InputSource):
     def endless(self, total):
         return self.source.never_ends
 
+    def fills_every_step(self, total):
+        # A Python source's length is what it says, not what it gives: each
+        # step asks whether a batch is left.
+        return False
+
     def check_finite(self, total):
         self.source.check_finite("fit")
 

@@ -184,6 +184,26 @@ class InputSource:
                 "the period at which callbacks run), or drop the .repeat()."
             )
 
+    def fills_every_step(self, total):
+        """Whether every step of a pass gives every one of `total` towers a
+        batch: the towers' shares are known and of one length. A step then
+        takes its batches without asking whether any is left, and a pass
+        ends at its known length (`steps`).
+
+        Examples:
+            >>> import tensorflow as tf, kerastower as kt
+            >>> six = kt.DatasetInput(tf.data.Dataset.range(12).batch(2))
+            >>> six.fills_every_step(1), six.fills_every_step(2), six.fills_every_step(4)
+            (True, True, False)
+        """
+        if self.per_tower:
+            lengths = {int(self.tower_dataset(TowerInputContext(i, total)).cardinality())
+                       for i in range(total)}
+            return len(lengths) == 1 and min(lengths) >= 0
+        # A shared pipeline is dealt out: tower k takes batches k, k + N, ...
+        cardinality = int(self.tower_dataset(TowerInputContext(0, total)).cardinality())
+        return cardinality >= 0 and cardinality % total == 0
+
     def steps(self, total):
         """Steps in one pass over the data with `total` towers, or None."""
         if self.per_tower:

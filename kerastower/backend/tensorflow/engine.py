@@ -236,6 +236,20 @@ def _gpus():
     return [d.name for d in tf.config.list_logical_devices("GPU")]
 
 
+def fills_every_step(source, strategy, skip_batches=None):
+    """Whether every step of fit's passes over `source` gives each of the
+    strategy's towers a batch (`InputSource.fills_every_step`), the first
+    pass resumed after `skip_batches` (each tower's) included."""
+    total = strategy.num_towers
+    # Within one process only: another process's shares are not known
+    # here, and it may run out while this one goes on.
+    if not strategy.single_process or not source.fills_every_step(total):
+        return False
+    # A resumed pass (perhaps saved on another number of towers) must
+    # leave the towers equal shares too.
+    return skip_batches is None or (len(skip_batches) == total and len(set(skip_batches)) == 1)
+
+
 class _Feed(Feed):
     """fit's per-tower iterators over an InputSource."""
 
@@ -246,6 +260,10 @@ class _Feed(Feed):
         self.steps_per_call = steps_per_call
         self.function = model.make_train_function()
         self.endless = False
+        # Every step of a pass gives every tower a batch, and the loop stops
+        # at the pass's known length: a step need not ask whether data is
+        # left (`fills_every_step`), so calls of one step run straight.
+        self.steps_have_data = False
 
     def start(self, skip_batches, epoch_num):
         strategy = self.model.tower_strategy
@@ -262,6 +280,7 @@ class _Feed(Feed):
             return
         self.source.check_finite(strategy.num_towers)
         self.resumed_skip = None if skip_batches is None else list(skip_batches)
+        self.steps_have_data = fills_every_step(self.source, strategy, skip_batches)
         if self.by_pass and strategy.num_towers == 1 and strategy.single_process and hasattr(
                 self.source, "passes_in_a_row"):
             # One tower takes a pass's batches in exactly an epoch's steps:
@@ -301,7 +320,8 @@ class _Feed(Feed):
     def run(self, num_steps, loop):
         first = loop.global_step + 1
         what = f"Training step {first}" + (f" (or up to {first + num_steps - 1})" if num_steps > 1 else "")
-        run = step_calls.run_steps(self.function, self.iterator, num_steps, what, self.endless,
+        run = step_calls.run_steps(self.function, self.iterator, num_steps, what,
+                                self.endless or self.steps_have_data,
                                 failures=self.model.engine.failures,
                                 one_step_calls=self.steps_per_call == 1)
         # The failed step's batches were taken, but its update was not applied.
