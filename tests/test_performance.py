@@ -209,12 +209,16 @@ class _StepCalls(keras.callbacks.Callback):
 
         self._before = list(step_calls._bound_calls.keys())
 
+    on_test_begin = on_train_begin
+
     def on_train_batch_end(self, batch, logs=None):
         from kerastower.backend.tensorflow import step_calls
 
         for iterator, calls in list(step_calls._bound_calls.items()):
             if not any(iterator is old for old in self._before):
                 self.num_steps.update(type(key[1]).__name__ for key in calls)
+
+    on_test_batch_end = on_train_batch_end
 
 
 def test_one_step_of_an_endless_input_runs_without_the_step_loop():
@@ -288,11 +292,13 @@ def test_a_finite_input_that_fills_every_step_runs_without_the_step_loop():
     keras.utils.set_random_seed(3)
     unknown = _model(norm=False)
     calls = _StepCalls()
-    unknown.fit(tf.data.Dataset.from_tensor_slices((x, y)).filter(lambda *_: True).batch(B), epochs=2,
-                verbose=0, callbacks=[calls])
+    asked = unknown.fit(tf.data.Dataset.from_tensor_slices((x, y)).filter(lambda *_: True).batch(B),
+                        epochs=2, verbose=0, callbacks=[calls])
     assert calls.num_steps and "int" not in calls.num_steps
     for a, b in zip(unknown.get_weights(), model.get_weights()):
         np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-6)
+    for key in asked.history:
+        np.testing.assert_allclose(history.history[key], asked.history[key], rtol=1e-6)
     assert model.loop.examples_seen == unknown.loop.examples_seen == 96
 
     # 2 towers, 6 batches a pass: 3 full steps; one device on joined batches.
@@ -311,6 +317,43 @@ def test_a_finite_input_that_fills_every_step_runs_without_the_step_loop():
     short, towers, _ = _two_tower_pipeline_run(40)
     assert short and "int" not in short
     assert towers.loop.examples_seen == 80 and towers.loop.tower_batches == [3, 2]
+
+
+def test_an_evaluation_that_fills_every_step_runs_without_the_step_loop():
+    """evaluate over a finite input whose every step has every tower's
+    batch runs its one-step calls straight and gives the logs of the loop;
+    asked for more steps than the input has, it keeps the loop and stops
+    at the input's end."""
+    x, y = _data(n=48)
+    keras.utils.set_random_seed(3)
+    model = _model(norm=False)
+    model.fit(x, y, batch_size=B, epochs=1, verbose=0)
+    pipeline = tf.data.Dataset.from_tensor_slices((x, y)).batch(B)
+    runs = {}
+    for name, data, steps in [("filled", pipeline, None), ("unknown", pipeline.filter(lambda *_: True), None),
+                              ("past the end", pipeline, 9)]:
+        calls = _StepCalls()
+        runs[name] = model.evaluate(data, steps=steps, verbose=0, return_dict=True, callbacks=[calls])
+        assert calls.num_steps
+        assert ("int" in calls.num_steps) == (name == "filled"), name
+    for name in ("unknown", "past the end"):
+        assert runs[name].keys() == runs["filled"].keys()
+        for key in runs["filled"]:
+            np.testing.assert_allclose(runs[name][key], runs["filled"][key], rtol=1e-6)
+    calls = _StepCalls()
+    arrays = model.evaluate(x, y, batch_size=B, verbose=0, return_dict=True, callbacks=[calls])
+    assert "int" in calls.num_steps
+    for key in arrays:
+        np.testing.assert_allclose(arrays[key], runs["filled"][key], rtol=1e-6)
+    with kt.distributed("mirrored", devices=TWO):
+        keras.utils.set_random_seed(3)
+        towers = _model(norm=False)
+        towers.set_weights(model.get_weights())
+        calls = _StepCalls()
+        on_towers = towers.evaluate(pipeline, verbose=0, return_dict=True, callbacks=[calls])
+    assert "int" in calls.num_steps
+    for key in on_towers:
+        np.testing.assert_allclose(on_towers[key], runs["filled"][key], rtol=1e-5)
 
 
 def test_a_resumed_pass_that_leaves_unequal_shares_keeps_the_step_loop():

@@ -171,8 +171,9 @@ class StepEngine:
         """fit's `Feed` over `source`."""
         raise NotImplementedError
 
-    def open_inference(self, source):
-        """An iterator over one pass of `source` for evaluate or predict."""
+    def open_inference(self, source, steps=None):
+        """An iterator over one pass of `source` for evaluate or predict
+        (`steps`: the most steps the caller will take, None: the pass)."""
         return iter(self.place(source))
 
     def test_steps(self, iterator, num_steps, first_step):

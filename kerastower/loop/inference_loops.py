@@ -19,7 +19,7 @@ __all__ = ["evaluate_loop", "predict_loop"]
 def evaluate_loop(model, source, steps, callbacks):
     """Evaluates `model` on `source` (up to `steps` steps); returns the logs."""
     engine = model.engine
-    iterator = engine.open_inference(source)
+    iterator = engine.open_inference(source, steps)
     model.stop_evaluating = False
     callbacks.on_test_begin()
     model.reset_metrics()

@@ -8,6 +8,7 @@ TowerContext.
 """
 
 import contextlib
+import weakref
 
 import numpy as np
 import tensorflow as tf
@@ -68,6 +69,9 @@ class TensorFlowEngine(StepEngine):
         # What went wrong in the current run's steps that TensorFlow reports
         # as text only (a generator's exception, a tower's batch mismatch).
         self.failures = step_errors.StepFailures()
+        # Inference iterators whose every step has every tower's batch
+        # (`open_inference`), held weakly: they go with their evaluation.
+        self._filled_iterators = weakref.WeakSet()
 
     def keras_jit_compile(self, jit_compile):
         # Keras's own step functions, which would jit-compile the cross-tower
@@ -116,9 +120,22 @@ class TensorFlowEngine(StepEngine):
         with self.failures.feeding():
             return source.distribute(self.model.tower_strategy, **kwargs)
 
+    def open_inference(self, source, steps=None):
+        iterator = super().open_inference(source, steps)
+        # As fit's steps (`fills_every_step`): where every step has every
+        # tower's batch and no step is asked for past the pass's end, a
+        # step need not ask whether data is left.
+        known = source.steps(self.model.num_towers)
+        if fills_every_step(source, self.model.tower_strategy) and (
+                steps is None or (known is not None and steps <= known)):
+            self._filled_iterators.add(iterator)
+        return iterator
+
     def test_steps(self, iterator, num_steps, first_step):
+        filled = iterator in self._filled_iterators
         run = step_calls.run_steps(self.model.make_test_function(), iterator, num_steps,
-                                f"Evaluation step {first_step + 1}", failures=self.failures)
+                                f"Evaluation step {first_step + 1}", filled, failures=self.failures,
+                                one_step_calls=filled and self.model.steps_per_execution == 1)
         return StepRun(taken=run.steps, done=run.steps, logs=run.logs, final_logs=run.final_logs)
 
     def predict_step(self, iterator, step):
