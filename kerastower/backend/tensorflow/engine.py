@@ -125,9 +125,8 @@ class TensorFlowEngine(StepEngine):
         # As fit's steps (`fills_every_step`): where every step has every
         # tower's batch and no step is asked for past the pass's end, a
         # step need not ask whether data is left.
-        known = source.steps(self.model.num_towers)
         if fills_every_step(source, self.model.tower_strategy) and (
-                steps is None or (known is not None and steps <= known)):
+                steps is None or steps <= source.steps(self.model.num_towers)):
             self._filled_iterators.add(iterator)
         return iterator
 
