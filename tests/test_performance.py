@@ -264,8 +264,8 @@ def test_one_step_of_an_endless_input_runs_without_the_step_loop():
 
 
 def _two_tower_pipeline_run(n, epochs=2):
-    """(the straight-call record, weights, history) of 2 towers fitting a
-    shared pipeline of `n` examples in batches of B, dealt out."""
+    """(the straight-call record, the model, history) of 2 towers fitting
+    a shared pipeline of `n` examples in batches of B, taken in turns."""
     x, y = _data(n=n)
     with kt.distributed("mirrored", devices=TWO):
         keras.utils.set_random_seed(3)
@@ -317,6 +317,46 @@ def test_a_finite_input_that_fills_every_step_runs_without_the_step_loop():
     short, towers, _ = _two_tower_pipeline_run(40)
     assert short and "int" not in short
     assert towers.loop.examples_seen == 80 and towers.loop.tower_batches == [3, 2]
+    # Arrays on 2 towers, dealt out pass by pass: 6 batches fill 3 steps.
+    with kt.distributed("mirrored", devices=TWO):
+        keras.utils.set_random_seed(3)
+        dealt = _model(norm=False)
+        calls = _StepCalls()
+        dealt_history = dealt.fit(x, y, batch_size=B, epochs=2, shuffle=False, verbose=0, callbacks=[calls])
+    assert "int" in calls.num_steps
+    for a, b in zip(reference.get_weights(), dealt.get_weights()):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5)
+    for key in expected.history:
+        np.testing.assert_allclose(dealt_history.history[key], expected.history[key], rtol=1e-5)
+
+
+class _SaysNoLength(kt.DatasetInput):
+    """A source whose `steps` does not say what its pipeline's cardinality does."""
+
+    def steps(self, total):
+        return None
+
+
+def test_a_source_whose_length_is_not_its_pipelines_keeps_the_step_loop():
+    """The loops stop at `steps`; where a source's `steps` and its
+    pipeline's cardinality disagree, every step asks whether data is left,
+    and fit counts every update and evaluate reads every batch."""
+    from kerastower.inputs.sources import DatasetInput
+
+    x, y = _data(n=48)
+    pipeline = tf.data.Dataset.from_tensor_slices((x, y)).batch(B)
+    assert DatasetInput(pipeline).fills_every_step(1)
+    assert not _SaysNoLength(pipeline).fills_every_step(1)
+    keras.utils.set_random_seed(3)
+    model = _model(norm=False, steps_per_execution=4)
+    model.fit(_SaysNoLength(pipeline), epochs=1, verbose=0)
+    assert model.loop.global_step == int(model.optimizer.iterations.numpy()) == 6
+    expected = model.evaluate(pipeline, verbose=0, return_dict=True)
+    said = model.evaluate(_SaysNoLength(pipeline), verbose=0, return_dict=True)
+    fewer = model.evaluate(_SaysNoLength(pipeline), steps=3, verbose=0, return_dict=True)
+    for key in expected:
+        np.testing.assert_allclose(said[key], expected[key], rtol=1e-6)
+    assert fewer.keys() == expected.keys()
 
 
 def test_an_evaluation_that_fills_every_step_runs_without_the_step_loop():
@@ -336,6 +376,13 @@ def test_an_evaluation_that_fills_every_step_runs_without_the_step_loop():
         runs[name] = model.evaluate(data, steps=steps, verbose=0, return_dict=True, callbacks=[calls])
         assert calls.num_steps
         assert ("int" in calls.num_steps) == (name == "filled"), name
+    # Fewer steps than the input has: straight, and as the loop's.
+    calls = _StepCalls()
+    first_three = model.evaluate(pipeline, steps=3, verbose=0, return_dict=True, callbacks=[calls])
+    assert "int" in calls.num_steps
+    three = model.evaluate(pipeline.filter(lambda *_: True), steps=3, verbose=0, return_dict=True)
+    for key in three:
+        np.testing.assert_allclose(first_three[key], three[key], rtol=1e-6)
     for name in ("unknown", "past the end"):
         assert runs[name].keys() == runs["filled"].keys()
         for key in runs["filled"]:
@@ -354,12 +401,20 @@ def test_an_evaluation_that_fills_every_step_runs_without_the_step_loop():
     assert "int" in calls.num_steps
     for key in on_towers:
         np.testing.assert_allclose(on_towers[key], runs["filled"][key], rtol=1e-5)
+    # Several steps a call (the last call shorter) over the same input.
+    model.compile(optimizer=keras.optimizers.Adam(0.01), steps_per_execution=4,
+                  loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True), metrics=["accuracy"])
+    several = model.evaluate(pipeline, verbose=0, return_dict=True)
+    for key in several:
+        np.testing.assert_allclose(several[key], runs["filled"][key], rtol=1e-6)
 
 
 def test_a_resumed_pass_that_leaves_unequal_shares_keeps_the_step_loop():
-    """A pass resumed after an odd number of a shared pipeline's batches
-    (as a checkpoint saved on one tower leaves it) would leave 2 towers a
-    last step with one batch: its steps ask whether data is left."""
+    """A pass resumed where the towers had taken unequal numbers of a
+    shared pipeline's batches, or with counts for another number of
+    towers, could leave 2 towers a last step with one batch: its steps ask
+    whether data is left. (A resume moved to another number of towers
+    hands over equal counts, `ResumeState.on_towers`.)"""
     from kerastower.backend.tensorflow.engine import fills_every_step
     from kerastower.inputs.sources import DatasetInput
 

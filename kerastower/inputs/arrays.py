@@ -213,4 +213,5 @@ class ArrayInput(DatasetInput):
         return None if self._repeat else self.rows.num_steps(total)
 
     def fills_every_step(self, total):
-        return not self._repeat and self.rows.num_batches() % total == 0
+        return (not self._repeat and self.rows.num_batches() % total == 0
+                and self.steps(total) == self.rows.num_steps(total))

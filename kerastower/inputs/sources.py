@@ -199,10 +199,15 @@ class InputSource:
         if self.per_tower:
             lengths = {int(self.tower_dataset(TowerInputContext(i, total)).cardinality())
                        for i in range(total)}
-            return len(lengths) == 1 and min(lengths) >= 0
-        # A shared pipeline is dealt out: tower k takes batches k, k + N, ...
-        cardinality = int(self.tower_dataset(TowerInputContext(0, total)).cardinality())
-        return cardinality >= 0 and cardinality % total == 0
+            length = lengths.pop() if len(lengths) == 1 else -1
+        else:
+            # A shared pipeline is taken in turns: tower k takes batches
+            # k, k + N, ...
+            cardinality = int(self.tower_dataset(TowerInputContext(0, total)).cardinality())
+            length = cardinality // total if cardinality >= 0 and cardinality % total == 0 else -1
+        # The loops stop at `steps` (a subclass may say otherwise than the
+        # pipelines): only where the two agree is no step asked past the end.
+        return length >= 0 and self.steps(total) == length
 
     def steps(self, total):
         """Steps in one pass over the data with `total` towers, or None."""
