@@ -31,7 +31,7 @@ from kerastower._compat.patches import ScopedPatch
 from kerastower._compat.required import _missing
 from kerastower._compat.required import require
 
-__all__ = ["require_function", "jaxpr_as_fun", "synchronized_moments_routed", "synchronized_batchnorm_admitted",
+__all__ = ["require_function", "jaxpr_as_fun", "jaxpr_with_outputs", "synchronized_moments_routed", "synchronized_batchnorm_admitted",
            "rnn_initial_states_typed", "current_stateless_scope", "inheriting_stateless_scope", "compile_metrics_parts"]
 
 _MOMENTS = ("keras.src.backend.jax.nn", "moments")
@@ -55,6 +55,16 @@ def jaxpr_as_fun(closed_jaxpr):
     trace (jax.extend's `jaxpr_as_fun`): the towers' step traced once, then
     run as one computation or as a switch's branches (backend/jax/towers.py)."""
     return require_function("jax.extend.core", "jaxpr_as_fun")(closed_jaxpr)
+
+
+def jaxpr_with_outputs(closed_jaxpr, outvars):
+    """`closed_jaxpr` returning `outvars` (its own variables) instead of its
+    outputs: the same program, more of its values kept (jax.extend's
+    `Jaxpr.replace`)."""
+    jaxpr = closed_jaxpr.jaxpr
+    if not callable(getattr(jaxpr, "replace", None)) or not callable(getattr(closed_jaxpr, "replace", None)):
+        raise _missing("jax.extend.core.Jaxpr.replace and ClosedJaxpr.replace")
+    return closed_jaxpr.replace(jaxpr=jaxpr.replace(outvars=list(outvars)))
 
 
 def _parameter(function, name, what):

@@ -12,7 +12,8 @@ One step of N towers, as backend/tensorflow/step.py does it on TensorFlow:
 3. the tower's call of `optimizer.stateless_apply` hands its gradients out
    instead of applying them: they are averaged over the towers (a tower's
    share is n_i / sum_j n_j, and the towers' batches have one shape here,
-   so 1/N), checked for NaN/Inf, and the optimizer is applied once, to the
+   so 1/N), checked for NaN/Inf (one tower's from the products that made
+   them: finite_check.py), and the optimizer is applied once, to the
    averaged gradients (where gradients are reduced);
 4. non-trainable weights (BatchNormalization statistics, seed states) follow
    tower 0; each tower keeps its own metric variables, summed when the logs
@@ -35,6 +36,7 @@ import keras
 import numpy as np
 from jax.sharding import NamedSharding
 
+from kerastower.backend.jax import finite_check
 from kerastower.backend.jax import towers as jax_towers
 from kerastower.backend.jax.towers import first_nonfinite_step
 from kerastower.backend.jax.placement import AXIS
@@ -330,10 +332,19 @@ class TowerSteps(TowerState):
             return taken.gradients, list(non_trainable), list(metrics), values
 
         metrics = [m[0] for m in tower_metrics]
-        # Each tower differentiates its own copy of the weights: the gradient
-        # of replicated weights would come out summed over the towers.
-        gradients, non_trainable, metrics, values = self._switch(
-            tower, jax_towers.per_tower(trainable, self.num_towers), non_trainable, optimizer_vars, metrics, data)
+        tower_args = (jax_towers.per_tower(trainable, self.num_towers), non_trainable, optimizer_vars, metrics, data)
+        gradients_finite = None
+        if self.check_finite and self.num_towers == 1:
+            # One tower's gradients are checked from the products that made
+            # them, where that bounds them (finite_check.py).
+            (gradients, non_trainable, metrics, values), gradients_finite = self._switch(
+                lambda index, *args: finite_check.checked_gradients(functools.partial(tower, index), *args),
+                *tower_args)
+        else:
+            # Each tower differentiates its own copy of the weights: the
+            # gradient of replicated weights would come out summed over the
+            # towers.
+            gradients, non_trainable, metrics, values = self._switch(tower, *tower_args)
         values = self.step_values.reduced(values, self.num_towers > 1)
         if self.num_towers > 1:
             tower_finite = jax_towers.all_finite(gradients)
@@ -344,7 +355,9 @@ class TowerSteps(TowerState):
                 optimizer_vars, gradients, trainable)))
 
         if self.check_finite:
-            finite = jnp.logical_and(jax_towers.all_finite(gradients), going)
+            if gradients_finite is None:
+                gradients_finite = jax_towers.all_finite(gradients)
+            finite = jnp.logical_and(gradients_finite, going)
             if in_place:
                 # A cond, not a select of the new values: a skipped update
                 # costs nothing and an applied one no extra pass over the

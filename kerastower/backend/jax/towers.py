@@ -20,7 +20,7 @@ from kerastower import loss_divisors
 from kerastower.backend.jax import sync as jax_sync
 from kerastower.backend.jax.placement import AXIS
 
-__all__ = ["on_every_tower", "sum_over_towers", "varying", "per_tower", "from_tower_0", "seed_positions", "seeded_apart", "all_finite",
+__all__ = ["on_every_tower", "sum_over_towers", "varying", "per_tower", "from_tower_0", "seed_positions", "seeded_apart", "all_finite", "abs_sum",
            "first_nonfinite_step", "mean_over_towers"]
 
 
@@ -184,6 +184,12 @@ def all_finite(values):
     # The first branch gives the flag itself (True there): inside the towers'
     # shard_map it is typed as varying over the towers, as the second's is.
     return jax.lax.cond(sums_finite, lambda: sums_finite, value_by_value)
+
+
+def abs_sum(value):
+    """The sum of `value`'s absolute values, as the finite check takes sums
+    (`_sum`): at least its largest one, NaN or Inf where one is."""
+    return _sum(jnp.abs(value))
 
 
 def _sum(value):
