@@ -19,7 +19,9 @@ large that the product might overflow), the check reads every gradient as
 before, so the flag is the plain check's in every case: exact, never a
 false alarm. Gradients made otherwise (a bias's sum, an embedding's
 scatter, a product in half precision or of a mixed dtype, a weight used
-twice, whose gradients are added) are read directly, as before.
+twice, whose gradients are added), and products whose operands together
+are as large as the gradient (a long sequence's activations), are read
+directly, as before.
 
 `checked_gradients` traces a tower's step once to a jaxpr (JAX's program
 text), reads which equation produced each gradient, and runs the same
@@ -29,6 +31,7 @@ program with the products' operands as extra outputs.
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.extend.core import Literal
 
 from kerastower._compat import on_jax as jax_compat
 from kerastower.backend.jax.towers import abs_sum
@@ -38,10 +41,12 @@ __all__ = ["checked_gradients"]
 
 # Equations that move a product's values without changing them.
 _SAME_VALUES = frozenset({"transpose", "reshape", "squeeze", "expand_dims", "copy", "copy_p"})
-# Rounding in the sums of `|a|`, `|b|` and in the product's own
-# accumulation stays far inside this margin for any contraction of fewer
-# than about a million terms per eps of slack (float32: 2**-23 each).
+# Rounding shrinks a computed sum of n non-negative terms by at most a
+# factor (1 - eps)**n, and grows the product's partial sums by at most
+# (1 + eps)**k over k terms: for n, k up to 2**24 in float32 (eps = 2**-24)
+# under e, inside this margin.
 _MARGIN = 16.0
+_MOST_VALUES = 1 << 24
 
 
 def checked_gradients(branch, *args):
@@ -100,14 +105,18 @@ def checked_gradients(branch, *args):
 
 def _product_operands(var, producers):
     """The two operands of the matrix product whose values `var` holds
-    (through transposes and reshapes), where the bound applies: one float
-    dtype of at least 32 bits throughout. Else None."""
-    if not hasattr(var, "aval"):  # a literal
+    (through transposes and reshapes), where the bound applies and costs
+    less than the plain check: one float dtype of at least 32 bits
+    throughout, operands smaller together than the gradient (a batch's
+    activations against a kernel; not a long sequence's), each of at most
+    2**24 values (the rounding of their sums then stays inside
+    `_MARGIN`). Else None."""
+    if _is_literal(var):
         return None
-    dtype = var.aval.dtype
+    dtype, size = var.aval.dtype, _size(var)
     while var in producers and producers[var].primitive.name in _SAME_VALUES:
         var = producers[var].invars[0]
-        if not hasattr(var, "aval"):
+        if _is_literal(var):
             return None
     eqn = producers.get(var)
     if eqn is None or eqn.primitive.name != "dot_general" or len(eqn.invars) != 2:
@@ -117,7 +126,18 @@ def _product_operands(var, producers):
     preferred = eqn.params.get("preferred_element_type")
     if preferred is not None and preferred != dtype:
         return None
-    if any(not hasattr(operand, "aval") or operand.aval.dtype != dtype for operand in eqn.invars):
+    operands = tuple(eqn.invars)
+    if any(_is_literal(operand) or operand.aval.dtype != dtype for operand in operands):
         return None
-    return tuple(eqn.invars)
+    sizes = [_size(operand) for operand in operands]
+    if sum(sizes) >= size or max(sizes) > _MOST_VALUES:
+        return None
+    return operands
 
+
+def _is_literal(var):
+    return isinstance(var, Literal)
+
+
+def _size(var):
+    return int(np.prod(var.aval.shape, dtype=np.int64))
