@@ -98,14 +98,14 @@ def test_finite_steps_train_exactly_as_with_the_check_off():
         np.testing.assert_array_equal(got, want)
 
 
-def _kernel_gradient_producer(batch):
+def _kernel_gradient_producer(batch, precision=None):
     import jax
     import jax.numpy as jnp
 
     from kerastower.backend.jax import finite_check
 
     def gradient(w, x):
-        return jax.grad(lambda w: jnp.sum(jnp.tanh(x @ w)))(w)
+        return jax.grad(lambda w: jnp.sum(jnp.tanh(jnp.matmul(x, w, precision=precision))))(w)
 
     closed = jax.make_jaxpr(gradient)(jnp.ones((FEATURES, FEATURES)), jnp.ones((batch, FEATURES)))
     producers = {var: eqn for eqn in closed.jaxpr.eqns for var in eqn.outvars}
@@ -121,6 +121,30 @@ def test_a_kernels_gradient_is_bounded_by_its_products_operands_where_they_are_s
     # Operands as large as the gradient (a long sequence's activations):
     # summing them would cost more than reading the gradient.
     assert _kernel_gradient_producer(batch=FEATURES) is None
+    # A product taking float16 operands (a dot algorithm; GPU only) turns
+    # an activation of 1e5 into Inf however small the bound says it is.
+    assert _kernel_gradient_producer(batch=2, precision="highest") is not None
+    assert _kernel_gradient_producer(batch=2, precision="F16_F16_F32") is None
+
+
+def test_a_keras_models_fit_step_takes_the_bound_for_its_wide_kernel(monkeypatch):
+    from kerastower.backend.jax import finite_check
+
+    bounded = []
+    original = finite_check._product_operands
+
+    def recorded(var, producers):
+        operands = original(var, producers)
+        bounded.append(None if operands is None else tuple(var.aval.shape))
+        return operands
+
+    monkeypatch.setattr(finite_check, "_product_operands", recorded)
+    model = _mlp()
+    rng = np.random.default_rng(2)
+    model.fit(rng.normal(size=(4, 32)).astype("float32"), rng.integers(0, 3, size=4), batch_size=2, verbose=0)
+    # Both kernels (32x64 from operands 2x32 and 2x64; 64x3 from 2x64 and
+    # 2x3); the biases, sums over the batch, are read directly.
+    assert bounded == [(32, FEATURES), None, (FEATURES, 3), None]
 
 
 def test_the_modules_example_runs():

@@ -31,7 +31,7 @@ from kerastower._compat.patches import ScopedPatch
 from kerastower._compat.required import _missing
 from kerastower._compat.required import require
 
-__all__ = ["require_function", "jaxpr_as_fun", "jaxpr_with_outputs", "synchronized_moments_routed", "synchronized_batchnorm_admitted",
+__all__ = ["require_function", "jaxpr_as_fun", "jaxpr_with_outputs", "is_jaxpr_literal", "synchronized_moments_routed", "synchronized_batchnorm_admitted",
            "rnn_initial_states_typed", "current_stateless_scope", "inheriting_stateless_scope", "compile_metrics_parts"]
 
 _MOMENTS = ("keras.src.backend.jax.nn", "moments")
@@ -65,6 +65,12 @@ def jaxpr_with_outputs(closed_jaxpr, outvars):
     if not callable(getattr(jaxpr, "replace", None)) or not callable(getattr(closed_jaxpr, "replace", None)):
         raise _missing("jax.extend.core.Jaxpr.replace and ClosedJaxpr.replace")
     return closed_jaxpr.replace(jaxpr=jaxpr.replace(outvars=list(outvars)))
+
+
+def is_jaxpr_literal(atom):
+    """Whether a jaxpr's atom is a literal (jax.extend's `Literal`), not a
+    variable: a literal cannot be hashed."""
+    return isinstance(atom, require_function("jax.extend.core", "Literal"))
 
 
 def _parameter(function, name, what):

@@ -3,25 +3,27 @@
 A step whose gradients are not all finite changes nothing (step.py). The
 plain check reads every gradient once more after the backward pass has
 written it (`towers.all_finite`: one sum per gradient); stock Keras-JAX
-does no check, and on a 1024-wide MLP on a CPU that pass was 2-3% of the
+does no check, and on a 1024-wide MLP on a CPU that pass was 1-3% of the
 step. Most of a network's weights are kernels whose gradient is one
 matrix product, `dot_general(a, b)`, of an activation and a backward
-signal that are far smaller than the kernel (a batch of 64 against 1024
-columns: a 16th). Every element and every partial sum of such a product
-is at most `sum|a| * sum|b|` in size, so when both sums are finite and
-their product is well below the dtype's largest value, the product can
-hold no NaN or Inf. The check then reads `a` and `b`, not the gradient,
-and XLA may sum them as soon as they exist, the activation's during the
-forward pass.
+signal that together are far smaller than the kernel (a batch of 64
+against 784x1024 weights: a seventh). Every element and every partial sum
+of such a product is at most `sum|a| * sum|b|` in size, so when both sums
+and their product are well below the dtype's largest value, the product
+can hold no NaN or Inf. The check then reads `a` and `b`, not the
+gradient, and XLA may sum them as soon as they exist, the activation's
+during the forward pass.
 
 Where that bound is not met (a NaN or Inf in `a` or `b`, or values so
 large that the product might overflow), the check reads every gradient as
 before, so the flag is the plain check's in every case: exact, never a
-false alarm. Gradients made otherwise (a bias's sum, an embedding's
-scatter, a product in half precision or of a mixed dtype, a weight used
-twice, whose gradients are added), and products whose operands together
-are as large as the gradient (a long sequence's activations), are read
-directly, as before.
+false alarm. The bound is taken only where it holds and pays
+(`_product_operands`): one float dtype of at least 32 bits, a
+`lax.Precision` level (not a `DotAlgorithm`, which may round to float16),
+operands together smaller than the gradient, each of at most 2**24
+values. Other gradients (a bias's sum, an embedding's scatter, a
+half-precision product, a weight used twice, whose gradients are added, a
+long sequence's activations against a kernel) are read directly.
 
 `checked_gradients` traces a tower's step once to a jaxpr (JAX's program
 text), reads which equation produced each gradient, and runs the same
@@ -31,7 +33,6 @@ program with the products' operands as extra outputs.
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.extend.core import Literal
 
 from kerastower._compat import on_jax as jax_compat
 from kerastower.backend.jax.towers import abs_sum
@@ -40,12 +41,15 @@ from kerastower.backend.jax.towers import all_finite
 __all__ = ["checked_gradients"]
 
 # Equations that move a product's values without changing them.
-_SAME_VALUES = frozenset({"transpose", "reshape", "squeeze", "expand_dims", "copy", "copy_p"})
+_SAME_VALUES = frozenset({"transpose", "reshape", "squeeze", "copy"})
 # Rounding shrinks a computed sum of n non-negative terms by at most a
 # factor (1 - eps)**n, and grows the product's partial sums by at most
-# (1 + eps)**k over k terms: for n, k up to 2**24 in float32 (eps = 2**-24)
-# under e, inside this margin.
-_MARGIN = 16.0
+# (1 + eps)**k over k terms: for n, k up to 2**24 in float32 (unit roundoff
+# 2**-24) each factor is under e, and the three together (two sums low, the
+# product high) under e**3 = 20.1, inside this margin. Operands rounded to
+# bfloat16 or TF32 before the product (lax.Precision.DEFAULT on a TPU or
+# GPU) grow by at most 2**-8 each.
+_MARGIN = 32.0
 _MOST_VALUES = 1 << 24
 
 
@@ -89,8 +93,10 @@ def checked_gradients(branch, *args):
         if pair:
             a, b = (magnitudes[var] for var in pair)
             limit = np.asarray(np.finfo(gradient.dtype).max / _MARGIN, gradient.dtype)
-            # NaN compares False: a NaN or Inf operand fails the bound.
-            within.append(a * b <= limit)
+            # NaN compares False: a NaN or Inf operand fails the bound. Each
+            # sum is bounded too: an operand rounded to bfloat16 on its way
+            # into the product must stay clear of the top of its range.
+            within.append((a <= limit) & (b <= limit) & (a * b <= limit))
     unbounded = [g for pair, g in zip(products, gradients) if not pair]
     bounded = jnp.all(jnp.stack(within))
 
@@ -126,6 +132,8 @@ def _product_operands(var, producers):
     preferred = eqn.params.get("preferred_element_type")
     if preferred is not None and preferred != dtype:
         return None
+    if not _full_range(eqn.params.get("precision")):
+        return None
     operands = tuple(eqn.invars)
     if any(_is_literal(operand) or operand.aval.dtype != dtype for operand in operands):
         return None
@@ -135,8 +143,19 @@ def _product_operands(var, producers):
     return operands
 
 
+def _full_range(precision):
+    """Whether a product of this `precision` keeps its operands' exponent
+    range: `lax.Precision` levels round float32 to bfloat16 or TF32 at the
+    least, whose range is float32's; a `DotAlgorithm` may take float16 or
+    float8 (Inf past 65504 or 448), so it is read directly."""
+    if precision is None:
+        return True
+    levels = precision if isinstance(precision, (tuple, list)) else (precision,)
+    return all(level is None or isinstance(level, jax.lax.Precision) for level in levels)
+
+
 def _is_literal(var):
-    return isinstance(var, Literal)
+    return jax_compat.is_jaxpr_literal(var)
 
 
 def _size(var):
