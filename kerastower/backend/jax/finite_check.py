@@ -77,14 +77,12 @@ def checked_gradients(branch, *args):
     producers = {var: eqn for eqn in jaxpr.eqns for var in eqn.outvars}
     products = [_product_operands(var, producers) for var in outvars[:count]]
     operands = list(dict.fromkeys(var for pair in products if pair for var in pair))
-    if not operands:
-        outputs = jax_compat.jaxpr_as_fun(closed)(*jax.tree.leaves(args))
-        outputs = jax.tree.unflatten(jax.tree.structure(shape), outputs)
-        return outputs, all_finite(jax.tree.leaves(outputs[0]))
     run = jax_compat.jaxpr_as_fun(jax_compat.jaxpr_with_outputs(closed, outvars + operands))
     flat = run(*jax.tree.leaves(args))
     outputs = jax.tree.unflatten(jax.tree.structure(shape), flat[:len(outvars)])
     gradients = flat[:count]
+    if not operands:
+        return outputs, all_finite(gradients)
     # Each operand's sum of absolute values: at least its largest value,
     # NaN or Inf where one is.
     magnitudes = {var: abs_sum(value) for var, value in zip(operands, flat[len(outvars):])}
