@@ -143,12 +143,12 @@ def test_per_step_monitors_read_the_runs_counters_without_syncing_the_weights(tm
     assert len(syncs) <= 5 * epochs, len(syncs)
 
 
-def test_the_progress_bar_shows_each_step_from_kerass_callback_thread(monkeypatch, capsys):
-    """fit's progress bar (verbose=1) only shows each step's logs, so
-    Keras's CallbackList runs its batch hook in its own thread, as it runs
-    Keras's progress bar: reading a step's logs there never holds up the
-    next step, and every step is still handed to it by the epoch's end
-    (in any order: Keras's pool has several threads)."""
+def test_the_progress_bar_shows_its_steps_from_kerass_callback_thread(monkeypatch, capsys):
+    """fit's progress bar (verbose=1) only shows a step's logs, so Keras's
+    CallbackList runs its batch hook in its own thread, as it runs Keras's
+    progress bar: reading a step's logs there never holds up the next
+    step. It is handed each epoch's first step and its last (the steps
+    between only where it may draw them, loop/batch_hooks.py)."""
     from kerastower.callbacks.monitors import ProgressBar
 
     shown = []
@@ -164,7 +164,8 @@ def test_the_progress_bar_shows_each_step_from_kerass_callback_thread(monkeypatc
     model.compile(optimizer="sgd", loss="mse")
     x, y = np.ones((16, 3), "float32"), np.ones((16, 1), "float32")
     model.fit(x, y, batch_size=4, epochs=2, verbose=1)
-    assert sorted(shown) == sorted([(batch, False) for batch in range(4)] * 2)
+    assert all(not in_loop for _, in_loop in shown)
+    assert sorted(shown).count((0, False)) == 2 and sorted(shown).count((3, False)) == 2
     assert capsys.readouterr().out.count("4/4") >= 2
 
 

@@ -171,3 +171,107 @@ def test_a_reader_that_appears_when_training_begins_never_sees_a_step_that_was_n
         model.fit(x, y, batch_size=4, epochs=1, shuffle=False, verbose=0, callbacks=callback_list)
     assert sorted(seen) == [0, 1]
     assert model.loop.global_step == 2
+
+
+def _recorded_bar_steps(monkeypatch):
+    """(the steps kerastower's ProgressBar was handed, each `shows` answer)."""
+    from kerastower.callbacks.monitors import ProgressBar
+
+    handed, answers = [], []
+    shows, on_end = ProgressBar.shows, ProgressBar.on_train_batch_end
+
+    def recorded_shows(self, step):
+        answers.append((step, shows(self, step)))
+        return answers[-1][1]
+
+    def recorded_end(self, batch, logs=None):
+        handed.append(batch)
+        return on_end(self, batch, logs)
+
+    monkeypatch.setattr(ProgressBar, "shows", recorded_shows)
+    monkeypatch.setattr(ProgressBar, "on_train_batch_end", recorded_end)
+    return handed, answers
+
+
+@pytest.mark.parametrize("verbose", [1, 2])
+def test_the_progress_bar_alone_is_handed_the_steps_it_may_draw_and_each_epochs_last(
+        two_towers, hook_calls, monkeypatch, capsys, verbose):
+    """Where kerastower's progress bar is the only callback with a batch
+    hook (fit's default), the loop hands it the steps its `shows` says it
+    may draw, and each epoch's last, which its count ends at; no
+    on_train_batch_begin (the bar has none)."""
+    handed, answers = _recorded_bar_steps(monkeypatch)
+    model = mlp()
+    x, y = id_data(32 * 8)
+    steps = 32
+    model.fit(x, y, batch_size=4, epochs=2, verbose=verbose, shuffle=False)
+    assert [step for step, _ in answers] == list(range(steps)) * 2
+    expected = []
+    for epoch in range(2):
+        shown = [step for step, yes in answers[epoch * steps:(epoch + 1) * steps] if yes]
+        expected += shown if shown and shown[-1] == steps - 1 else shown + [steps - 1]
+    # Keras's pool of threads may run two hand-offs out of order.
+    assert sorted(handed) == sorted(expected)
+    assert hook_calls == {"on_train_batch_begin": 0, "on_train_batch_end": len(expected)}
+    if verbose == 1:
+        assert answers[0] == (0, True) and answers[steps] == (0, True)  # each epoch's first
+    else:
+        assert expected == [steps - 1, steps - 1]  # verbose=2 draws the epoch line only
+    assert capsys.readouterr().out.count(f"{steps}/{steps}") >= 2
+
+
+def test_beside_a_callback_with_its_own_batch_hook_the_progress_bar_gets_every_step(
+        two_towers, hook_calls, monkeypatch):
+    handed, answers = _recorded_bar_steps(monkeypatch)
+    seen = []
+    model = mlp()
+    x, y = id_data(32)
+    model.fit(x, y, batch_size=4, epochs=2, verbose=1,
+              callbacks=[keras.callbacks.LambdaCallback(on_train_batch_end=lambda b, logs: seen.append(b))])
+    assert seen == list(range(STEPS)) * 2
+    assert sorted(handed) == sorted(list(range(STEPS)) * 2)
+    assert answers == []
+    assert hook_calls == {"on_train_batch_begin": 2 * STEPS, "on_train_batch_end": 2 * STEPS}
+
+
+def test_batch_hooks_hand_the_steps_shown_and_the_epochs_last():
+    from kerastower.loop.batch_hooks import BatchHooks
+
+    seen = []
+    callbacks = keras.callbacks.CallbackList(
+        [keras.callbacks.LambdaCallback(on_train_batch_begin=lambda b, logs: seen.append(("begin", b)),
+                                        on_train_batch_end=lambda b, logs: seen.append((b, logs["loss"])))])
+    hooks = BatchHooks(callbacks, shows=lambda step: step % 3 == 0)
+    for step in range(8):
+        hooks.begin(step)
+        hooks.end(step, {"loss": float(step)})
+    hooks.epoch_end()
+    hooks.epoch_end()  # handed once
+    assert seen == [(0, 0.0), (3, 3.0), (6, 6.0), (7, 7.0)]
+    every = BatchHooks(callbacks)
+    seen.clear()
+    every.begin(0)
+    every.end(0, {"loss": 1.0})
+    every.epoch_end()
+    assert seen == [("begin", 0), (0, 1.0)]
+
+
+def test_the_progress_bar_shows_its_first_step_then_one_each_half_interval():
+    from kerastower.callbacks.monitors import ProgressBar
+
+    bar = ProgressBar()
+    bar.set_params({"epochs": 1, "steps": 100, "verbose": 1})
+    bar.training_run = type("Run", (), {"state": kt.LoopState()})()
+    bar.on_train_begin()
+    bar.on_epoch_begin(0)
+    bar.progbar.interval = 0.2
+    assert [bar.shows(0), bar.shows(1), bar.shows(2)] == [True, False, False]
+    time.sleep(0.11)
+    assert [bar.shows(3), bar.shows(4)] == [True, False]
+    bar.on_epoch_begin(1)
+    assert bar.shows(0) is True  # a new epoch's first
+    quiet = ProgressBar()
+    quiet.set_params({"epochs": 1, "steps": 100, "verbose": 2})
+    quiet.training_run = bar.training_run
+    quiet.on_epoch_begin(0)
+    assert quiet.shows(0) is False

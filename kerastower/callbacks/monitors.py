@@ -67,6 +67,7 @@ class ProgressBar(RunAware, keras.callbacks.ProgbarLogger):
     """
 
     chief_only = True
+    _handed_at = None  # when `shows` last said yes
 
     @property
     def async_safe(self):
@@ -87,6 +88,24 @@ class ProgressBar(RunAware, keras.callbacks.ProgbarLogger):
         super().on_epoch_begin(epoch, logs)
         self._epoch_start = (time.perf_counter(), self.loop.examples_seen)
         self._shown = (threading.Lock(), [-1])
+        self._handed_at = None
+
+    def shows(self, step):
+        """Whether the bar may draw `step` (`verbose=1`): the epoch's first
+        step it sees, then one each half of Keras's `Progbar.interval`
+        (the bar itself draws at most once an interval). fit hands its
+        batch hook only those steps, and the epoch's last, where no other
+        callback has a batch hook (loop/batch_hooks.py): what the bar shows
+        is the same, and no step waits for a hand-off it does not need.
+        `verbose=2` draws no step."""
+        if self.verbose != 1:
+            return False
+        now = time.perf_counter()
+        interval = getattr(self.progbar, "interval", 0.05)
+        if self._handed_at is not None and now - self._handed_at < interval / 2:
+            return False
+        self._handed_at = now
+        return True
 
     def on_train_batch_end(self, batch, logs=None):
         # Keras's thread pool may run two steps' hooks at once, or a later

@@ -15,6 +15,8 @@ from kerastower.callbacks.monitors import ProgressBar
 from kerastower.errors import nonfinite_error
 from kerastower.errors import InputSourceError
 from kerastower.inputs.keras_order import order_kind
+from kerastower.loop.batch_hooks import BatchHooks
+from kerastower.loop.batch_hooks import progress_bar_steps
 from kerastower.loop.main_loop import Iteration
 from kerastower.loop.main_loop import announce_total_batch
 
@@ -74,7 +76,11 @@ class FitSteps(Iteration):
             _compat.run_train_batch_hooks_in_loop(self.callbacks)
         # Keras's own CallbackList, none of whose callbacks has a batch hook:
         # calling its batch hooks would do nothing but hand each step's logs
-        # to a thread.
+        # to a thread. Where kerastower's progress bar alone has one, the
+        # steps it may draw only.
+        shows = progress_bar_steps(self.callbacks, ProgressBar, _has_batch_hooks)
+        if shows is not None:
+            return BatchHooks(self.callbacks, shows)
         return (type(self.callbacks) is not keras.callbacks.CallbackList
                 or any(map(_has_batch_hooks, callbacks)))
 

@@ -23,6 +23,7 @@ from kerastower.callbacks.defaults import TENSORBOARD_KINDS
 from kerastower.callbacks.defaults import with_default_monitors
 from kerastower.callbacks.base import Callback as KtCallback
 from kerastower.errors import StrategyError
+from kerastower.loop.batch_hooks import batch_hooks
 from kerastower.loop.resume import Resumption
 
 __all__ = ["LoopState", "MainLoop", "Iteration", "StopTraining", "training_callbacks"]
@@ -139,7 +140,8 @@ class Iteration:
 
     def batch_hooks(self):
         """Whether the callbacks' batch hooks are called in the epoch
-        starting (False only where none of them has one)."""
+        starting (False only where none of them has one), or for which
+        steps (a `batch_hooks.BatchHooks`)."""
         return True
 
     def ended_early(self, loop, step):
@@ -319,7 +321,7 @@ class MainLoop:
         callbacks.on_epoch_begin(epoch_num - 1)
         # Asked after on_train_begin and on_epoch_begin: a callback may set
         # a hook of its own there.
-        batch_hooks = iteration.batch_hooks()
+        hooks = batch_hooks(callbacks, iteration.batch_hooks())
         # A pass of known length ends after its last step, as in Keras: no
         # on_train_batch_begin for a step that the input cannot give.
         limit = steps_per_epoch or loop.steps_per_epoch
@@ -327,21 +329,20 @@ class MainLoop:
             want = iteration.steps_per_call
             if limit:
                 want = min(want, limit - step)
-            if batch_hooks:
-                callbacks.on_train_batch_begin(step)
+            hooks.begin(step)
             ran, logs = iteration.run(want)
             if ran:
                 step += ran
                 loop.local_step = step
                 loop.global_step += ran
-                if batch_hooks:
-                    callbacks.on_train_batch_end(step - 1, logs)
+                hooks.end(step - 1, logs)
                 self.resume.stop_if_preempted()
             if ran < want:
                 iteration.ended_early(loop, step)
                 break
             if model.stop_training:
                 break
+        hooks.epoch_end()
         loop.epoch_ended = True
         epoch_logs = iteration.epoch_logs(loop)
         callbacks.on_epoch_end(epoch_num - 1, epoch_logs)
