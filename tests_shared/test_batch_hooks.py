@@ -275,3 +275,13 @@ def test_the_progress_bar_shows_its_first_step_then_one_each_half_interval():
     quiet.training_run = bar.training_run
     quiet.on_epoch_begin(0)
     assert quiet.shows(0) is False
+
+
+def test_the_modules_example_runs():
+    """pytest does not collect module doctests in this project: run it here."""
+    import doctest
+
+    from kerastower.loop import batch_hooks
+
+    result = doctest.testmod(batch_hooks, optionflags=doctest.ELLIPSIS)
+    assert result.attempted > 0 and result.failed == 0
