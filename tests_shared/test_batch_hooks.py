@@ -21,6 +21,10 @@ from shared_helpers import two_towers  # noqa: F401  (a fixture)
 
 STEPS = 4  # 32 examples, 2 towers of 4
 
+# Keras 3.15's progress bar shows each metric's last value; 3.10-3.14's
+# averages the steps handed, and so gets every step.
+LAST_VALUES = tuple(int(part) for part in keras.version().split(".")[:2]) >= (3, 15)
+
 
 @pytest.fixture
 def hook_calls(monkeypatch):
@@ -193,6 +197,7 @@ def _recorded_bar_steps(monkeypatch):
     return handed, answers
 
 
+@pytest.mark.skipif(not LAST_VALUES, reason="Keras before 3.15 averages the bar's steps")
 @pytest.mark.parametrize("verbose", [1, 2])
 def test_the_progress_bar_alone_is_handed_the_steps_it_may_draw_and_each_epochs_last(
         two_towers, hook_calls, monkeypatch, capsys, verbose):
@@ -213,11 +218,30 @@ def test_the_progress_bar_alone_is_handed_the_steps_it_may_draw_and_each_epochs_
     # Keras's pool of threads may run two hand-offs out of order.
     assert sorted(handed) == sorted(expected)
     assert hook_calls == {"on_train_batch_begin": 0, "on_train_batch_end": len(expected)}
-    if verbose == 1:
-        assert answers[0] == (0, True) and answers[steps] == (0, True)  # each epoch's first
-    else:
-        assert expected == [steps - 1, steps - 1]  # verbose=2 draws the epoch line only
+    assert answers[0] == (0, True) and answers[steps] == (0, True)  # each epoch's first
+    if verbose == 2:
+        # The first starts the bar's time per step; it draws the epoch line only.
+        assert expected == [0, steps - 1, 0, steps - 1]
     assert capsys.readouterr().out.count(f"{steps}/{steps}") >= 2
+
+
+def test_a_progress_bar_that_averages_the_steps_handed_gets_every_step(two_towers, hook_calls, monkeypatch):
+    """Keras 3.10-3.14's ProgbarLogger averages each metric over the steps
+    it is handed: skipping steps would change what it shows."""
+    from kerastower.callbacks.monitors import ProgressBar
+
+    def averaging_progbar(self):
+        if self.progbar is None:
+            self.progbar = keras.utils.Progbar(target=self.target, verbose=self.verbose, unit_name="step")
+
+    monkeypatch.setattr(ProgressBar, "_maybe_init_progbar", averaging_progbar)
+    handed, answers = _recorded_bar_steps(monkeypatch)
+    model = mlp()
+    x, y = id_data(32)
+    model.fit(x, y, batch_size=4, epochs=2, verbose=1)
+    assert sorted(handed) == sorted(list(range(STEPS)) * 2)
+    assert answers == []
+    assert hook_calls == {"on_train_batch_begin": 2 * STEPS, "on_train_batch_end": 2 * STEPS}
 
 
 def test_beside_a_callback_with_its_own_batch_hook_the_progress_bar_gets_every_step(
@@ -256,25 +280,33 @@ def test_batch_hooks_hand_the_steps_shown_and_the_epochs_last():
     assert seen == [("begin", 0), (0, 1.0)]
 
 
-def test_the_progress_bar_shows_its_first_step_then_one_each_half_interval():
-    from kerastower.callbacks.monitors import ProgressBar
+def test_the_progress_bar_shows_its_first_step_then_one_each_half_interval(monkeypatch):
+    from types import SimpleNamespace
 
-    bar = ProgressBar()
+    from kerastower.callbacks import monitors
+
+    clock = [100.0]
+    monkeypatch.setattr(monitors, "time", SimpleNamespace(perf_counter=lambda: clock[0]))
+    bar = monitors.ProgressBar()
     bar.set_params({"epochs": 1, "steps": 100, "verbose": 1})
     bar.training_run = type("Run", (), {"state": kt.LoopState()})()
     bar.on_train_begin()
     bar.on_epoch_begin(0)
+    assert bar.shows_last_values() is LAST_VALUES
     bar.progbar.interval = 0.2
     assert [bar.shows(0), bar.shows(1), bar.shows(2)] == [True, False, False]
-    time.sleep(0.11)
-    assert [bar.shows(3), bar.shows(4)] == [True, False]
+    clock[0] += 0.099
+    assert bar.shows(3) is False
+    clock[0] += 0.002
+    assert [bar.shows(4), bar.shows(5)] == [True, False]
     bar.on_epoch_begin(1)
     assert bar.shows(0) is True  # a new epoch's first
-    quiet = ProgressBar()
+    quiet = monitors.ProgressBar()
     quiet.set_params({"epochs": 1, "steps": 100, "verbose": 2})
     quiet.training_run = bar.training_run
     quiet.on_epoch_begin(0)
-    assert quiet.shows(0) is False
+    clock[0] += 10
+    assert [quiet.shows(0), quiet.shows(1), quiet.shows(2)] == [True, False, False]
 
 
 def test_the_modules_example_runs():

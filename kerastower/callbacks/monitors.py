@@ -91,21 +91,33 @@ class ProgressBar(RunAware, keras.callbacks.ProgbarLogger):
         self._handed_at = None
 
     def shows(self, step):
-        """Whether the bar may draw `step` (`verbose=1`): the epoch's first
-        step it sees, then one each half of Keras's `Progbar.interval`
-        (the bar itself draws at most once an interval). fit hands its
+        """Whether the bar may draw `step`: the epoch's first step it sees,
+        then (`verbose=1`) one each half of Keras's `Progbar.interval` (the
+        bar itself draws at most once an interval); with `verbose=2` the
+        first only, which starts the bar's time per step. fit hands its
         batch hook only those steps, and the epoch's last, where no other
-        callback has a batch hook (loop/batch_hooks.py): what the bar shows
-        is the same, and no step waits for a hand-off it does not need.
-        `verbose=2` draws no step."""
-        if self.verbose != 1:
-            return False
+        callback has a batch hook and the bar shows each metric's last
+        value (`shows_last_values`; loop/batch_hooks.py): what the bar
+        shows is the same, and no step waits for a hand-off it does not
+        need."""
         now = time.perf_counter()
+        first = self._handed_at is None
+        if self.verbose != 1:
+            self._handed_at = now
+            return first
         interval = getattr(self.progbar, "interval", 0.05)
-        if self._handed_at is not None and now - self._handed_at < interval / 2:
+        if not first and now - self._handed_at < interval / 2:
             return False
         self._handed_at = now
         return True
+
+    def shows_last_values(self):
+        """Whether the epoch's `Progbar` shows every metric as the last value
+        handed (Keras 3.15's ProgbarLogger), not an average over the steps
+        handed (Keras 3.10-3.14), which needs every step."""
+        progbar = self.progbar
+        return (progbar is not None and getattr(progbar, "stateful_metrics", ()) is None
+                and getattr(progbar, "stateless_metrics", None) == set())
 
     def on_train_batch_end(self, batch, logs=None):
         # Keras's thread pool may run two steps' hooks at once, or a later

@@ -3,11 +3,12 @@
 Every step, as Keras does, unless the only callback with a batch hook is
 kerastower's `ProgressBar` (fit's default with `verbose=1` or 2): a bar
 draws a step at most once every `interval` seconds (Keras's `Progbar`), and
-shows the last logs it was handed, so handing it only the steps it may draw
-changes nothing it shows, while each step handed costs the loop Keras's
-thread hand-off of the step's logs (about 0.1 ms a step of a small model
-on JAX, against a 0.3 ms step). The epoch's last step is always handed:
-the bar's count ends there.
+from Keras 3.15 shows the last logs it was handed, so handing it only the
+steps it may draw changes nothing it shows, while each step handed costs
+the loop Keras's thread hand-off of the step's logs (about 0.1 ms a step
+of a small model on JAX, against a 0.4 ms step). The epoch's last step is
+always handed: the bar's count ends there. Keras 3.10-3.14's bar averages
+the values of the steps handed: it gets every step.
 
 Examples:
     >>> import keras, numpy as np, kerastower as kt
@@ -78,10 +79,11 @@ def batch_hooks(callbacks, hooks):
 def progress_bar_steps(callbacks, bar_type, has_batch_hooks):
     """The `shows` of `callbacks`' only batch-hooked callback where it is a
     `bar_type` (exactly: a subclass may read every step) in Keras's own
-    CallbackList; else None."""
+    CallbackList, showing each metric's last value (an averaging bar, as
+    Keras 3.10-3.14's, needs every step); else None."""
     if type(callbacks) is not keras.callbacks.CallbackList:
         return None
     hooked = [c for c in callbacks.callbacks if has_batch_hooks(c)]
-    if len(hooked) != 1 or type(hooked[0]) is not bar_type:
+    if len(hooked) != 1 or type(hooked[0]) is not bar_type or not hooked[0].shows_last_values():
         return None
     return hooked[0].shows
