@@ -98,6 +98,68 @@ def test_finite_steps_train_exactly_as_with_the_check_off():
         np.testing.assert_array_equal(got, want)
 
 
+def test_a_gradient_whose_sum_overflows_from_finite_values_applies_the_step():
+    # The bias's gradient is 1e37 for each of its 64 values (a loss of
+    # 1e37 per output, x = 0): finite, but its sum, 6.4e38, is Inf in
+    # float32. The quick flag (the sums) is then not sure, and the step's
+    # other branch reads the values: the update must apply, as with the
+    # check off.
+    def loss(y_true, y_pred):
+        return 1e37 * keras.ops.sum(y_pred, axis=-1)
+
+    def model(check_finite):
+        with kt.distributed("single", devices=[0]):
+            inputs = keras.Input((FEATURES,))
+            outputs = keras.layers.Dense(FEATURES, kernel_initializer="zeros")(inputs)
+            model = kt.TowerModel(inputs, outputs)
+            model.compile(optimizer=keras.optimizers.SGD(1e-36), loss=loss, check_finite=check_finite)
+        return model
+
+    x = np.zeros((2, FEATURES), "float32")
+    y = np.zeros((2, FEATURES), "float32")
+    checked, unchecked = model(True), model(False)
+    for each in (checked, unchecked):
+        each.fit(x, y, batch_size=2, verbose=0)
+    assert checked.loop.global_step == 1
+    got, want = checked.get_weights()[1], unchecked.get_weights()[1]
+    np.testing.assert_allclose(got, np.full((FEATURES,), -10.0, "float32"), rtol=1e-6)
+    np.testing.assert_array_equal(got, want)
+
+
+def test_the_products_the_bound_covers_are_computed_inside_the_updates_cond():
+    # Computed there, XLA may run one layer's product beside another's
+    # update; computed before the cond, every product waits for all.
+    import jax
+
+    model = _mlp()
+    rng = np.random.default_rng(3)
+    model.fit(rng.normal(size=(4, 32)).astype("float32"), rng.integers(0, 3, size=4), batch_size=2, verbose=0)
+    tower_steps = model.engine.tower_steps()
+    tower_steps.flags_read_late = True  # the step that takes its state as its own
+    assert not tower_steps.launches_ahead()
+    function = tower_steps._function("train", tower_steps._train_body)
+    state = (*tower_steps._current_state(), tower_steps._metric_state())
+    data = (np.zeros((2, 32), "float32"), np.zeros((2,), "int32"))
+    closed = jax.make_jaxpr(function)(state, data, tower_steps._gate(None))
+    (call,) = closed.jaxpr.eqns
+    step = call.params["jaxpr"].jaxpr
+
+    def products(equations):
+        # A kernel's product may come out transposed: shapes compared sorted.
+        return [tuple(sorted(e.outvars[0].aval.shape)) for e in equations if e.primitive.name == "dot_general"]
+
+    def in_branches(equations):
+        found = []
+        for e in equations:
+            for branch in e.params.get("branches", ()):
+                found += products(branch.jaxpr.eqns) + in_branches(branch.jaxpr.eqns)
+        return found
+
+    kernels = {(32, FEATURES), (3, FEATURES)}
+    assert not kernels & set(products(step.eqns))
+    assert kernels <= set(in_branches(step.eqns))
+
+
 def _kernel_gradient_producer(batch, precision=None):
     import jax
     import jax.numpy as jnp

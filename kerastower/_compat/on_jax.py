@@ -31,7 +31,7 @@ from kerastower._compat.patches import ScopedPatch
 from kerastower._compat.required import _missing
 from kerastower._compat.required import require
 
-__all__ = ["require_function", "jaxpr_as_fun", "jaxpr_with_outputs", "is_jaxpr_literal", "synchronized_moments_routed", "synchronized_batchnorm_admitted",
+__all__ = ["require_function", "jaxpr_as_fun", "jaxpr_with_outputs", "run_equations", "is_jaxpr_literal", "synchronized_moments_routed", "synchronized_batchnorm_admitted",
            "rnn_initial_states_typed", "current_stateless_scope", "inheriting_stateless_scope", "compile_metrics_parts"]
 
 _MOMENTS = ("keras.src.backend.jax.nn", "moments")
@@ -59,12 +59,32 @@ def jaxpr_as_fun(closed_jaxpr):
 
 def jaxpr_with_outputs(closed_jaxpr, outvars):
     """`closed_jaxpr` returning `outvars` (its own variables) instead of its
-    outputs: the same program, more of its values kept (jax.extend's
-    `Jaxpr.replace`)."""
+    outputs: the same program, more of its values kept, and the equations
+    none of them needs left out (but those with effects), so that running
+    it does not trace them (jax.extend's `Jaxpr.replace`)."""
     jaxpr = closed_jaxpr.jaxpr
     if not callable(getattr(jaxpr, "replace", None)) or not callable(getattr(closed_jaxpr, "replace", None)):
         raise _missing("jax.extend.core.Jaxpr.replace and ClosedJaxpr.replace")
-    return closed_jaxpr.replace(jaxpr=jaxpr.replace(outvars=list(outvars)))
+    needed = {var for var in outvars if not is_jaxpr_literal(var)}
+    kept = []
+    for equation in reversed(jaxpr.eqns):
+        if equation.effects or any(var in needed for var in equation.outvars):
+            kept.append(equation)
+            needed.update(var for var in equation.invars if not is_jaxpr_literal(var))
+    return closed_jaxpr.replace(jaxpr=jaxpr.replace(outvars=list(outvars), eqns=kept[::-1]))
+
+
+def run_equations(equations, inputs):
+    """The value of a chain of a jaxpr's equations, each taking the one
+    before's output (the first: `inputs`), run in the current trace
+    (jax.extend's `Primitive.bind` with each equation's parameters)."""
+    value = None
+    for index, equation in enumerate(equations):
+        bind = getattr(getattr(equation, "primitive", None), "bind", None)
+        if not callable(bind) or not isinstance(getattr(equation, "params", None), dict):
+            raise _missing("jax.extend.core.JaxprEqn with a primitive to bind and its params")
+        value = bind(*(inputs if index == 0 else [value]), **equation.params)
+    return value
 
 
 def is_jaxpr_literal(atom):

@@ -27,7 +27,19 @@ long sequence's activations against a kernel) are read directly.
 
 `checked_gradients` traces a tower's step once to a jaxpr (JAX's program
 text), reads which equation produced each gradient, and runs the same
-program with the products' operands as extra outputs.
+program with the products' operands as extra outputs. The products the
+bound covers are computed where the update uses them
+(`CheckedGradients.values`): inside the cond that applies it, where the
+thunks of one layer's product and another's update may run side by side.
+
+Gating the update costs one cond on a flag that needs no second look
+(`CheckedGradients.apply_if_finite`): the bound met and the other
+gradients' sums finite. The rare step where that is not so (a NaN, an
+Inf, or a sum that overflowed from finite values) takes the cond's other
+branch, which reads every gradient and decides exactly. On XLA:CPU each
+conditional costs about as much as a small pass over the weights (a
+1024-wide MLP's step on a 2-core VM: 5.02 ms with its update in a cond,
+4.94 applied outright), so the common step runs one.
 """
 
 import jax
@@ -37,8 +49,9 @@ import numpy as np
 from kerastower._compat import on_jax as jax_compat
 from kerastower.backend.jax.towers import abs_sum
 from kerastower.backend.jax.towers import all_finite
+from kerastower.backend.jax.towers import sums_finite
 
-__all__ = ["checked_gradients"]
+__all__ = ["checked_gradients", "CheckedGradients"]
 
 # Equations that move a product's values without changing them.
 _SAME_VALUES = frozenset({"transpose", "reshape", "squeeze", "copy"})
@@ -53,22 +66,86 @@ _MARGIN = 32.0
 _MOST_VALUES = 1 << 24
 
 
+class CheckedGradients:
+    """A tower's gradients, some still to be computed from their products'
+    operands, and a flag that is True only where all of them are finite.
+
+    Attributes:
+        surely_finite: a boolean on the device; True: every gradient is
+            finite. False: one may not be (`finite` or `apply_if_finite`
+            then reads every gradient).
+    """
+
+    def __init__(self, gradients, surely_finite):
+        self._gradients = gradients
+        self.surely_finite = surely_finite
+
+    @classmethod
+    def of(cls, gradients):
+        """Gradients already computed, sure where their sums are finite."""
+        return cls(list(gradients), sums_finite(gradients))
+
+    def values(self):
+        """The gradients, the products among them computed here: called
+        inside a cond's branch, they are computed there."""
+        return [g.value() if isinstance(g, _Product) else g for g in self._gradients]
+
+    def finite(self, gradients):
+        """Whether `gradients` (`values()`) are all finite, exactly: a look
+        at every one only where `surely_finite` is False."""
+        surely = self.surely_finite
+        return jax.lax.cond(surely, lambda: surely, lambda: all_finite(gradients))
+
+    def apply_if_finite(self, apply, keep, going):
+        """(`apply(values())` where every gradient is finite and `going`,
+        else `keep()`; the flag saying which), with one cond in the common
+        case.
+
+        Example:
+
+        >>> import jax.numpy as jnp
+        >>> checked = CheckedGradients.of([jnp.array([1.0, jnp.nan])])
+        >>> new, finite = checked.apply_if_finite(
+        ...     lambda g: g[0] * 2, lambda: jnp.zeros(2), jnp.asarray(True))
+        >>> new.tolist(), bool(finite)
+        ([0.0, 0.0], False)
+        """
+        sure = jnp.logical_and(self.surely_finite, going)
+        finite = jax.lax.cond(sure, lambda: sure,
+                              lambda: jnp.logical_and(all_finite(self.values()), going))
+        return jax.lax.cond(finite, lambda: apply(self.values()), keep), finite
+
+
+class _Product:
+    """A gradient that is one matrix product (and moves of its values),
+    computed when `value()` is called."""
+
+    def __init__(self, equations, operands):
+        self.equations = equations
+        self.operands = operands
+
+    def value(self):
+        return jax_compat.run_equations(self.equations, self.operands)
+
+
 def checked_gradients(branch, *args):
-    """(`branch(*args)`, whether the gradients it returns are all finite).
+    """(`branch(*args)` with its gradients as a `CheckedGradients`).
 
     `branch` returns a tuple whose first item is the list of gradients.
-    The plain check (`towers.all_finite`) reads the gradients no bound
-    covers, and all of them where a bound is not met.
+    Those that a bound covers are computed when `CheckedGradients.values`
+    is called; the rest are summed (`towers.sums_finite`).
 
     Example:
 
     >>> import jax, jax.numpy as jnp
     >>> def step(w, x):
     ...     return [jax.grad(lambda w: jnp.sum(jnp.tanh(x @ w)))(w)], x
-    >>> outputs, finite = jax.jit(lambda w, x: checked_gradients(step, w, x))(
-    ...     jnp.ones((3, 4)), jnp.ones((2, 3)))
-    >>> bool(finite)
-    True
+    >>> def checked_step(w, x):
+    ...     checked, x = checked_gradients(step, w, x)
+    ...     return checked.values(), checked.surely_finite
+    >>> gradients, surely_finite = jax.jit(checked_step)(jnp.ones((3, 4)), jnp.ones((2, 3)))
+    >>> gradients[0].shape, bool(surely_finite)
+    ((3, 4), True)
     """
     closed, shape = jax.make_jaxpr(branch, return_shape=True)(*args)
     jaxpr = closed.jaxpr
@@ -77,34 +154,46 @@ def checked_gradients(branch, *args):
     producers = {var: eqn for eqn in jaxpr.eqns for var in eqn.outvars}
     products = [_product_operands(var, producers) for var in outvars[:count]]
     operands = list(dict.fromkeys(var for pair in products if pair for var in pair))
-    run = jax_compat.jaxpr_as_fun(jax_compat.jaxpr_with_outputs(closed, outvars + operands))
+    # The products themselves are not outputs here: XLA drops them from
+    # this part of the step, and `values()` computes them where used.
+    kept = [var for var, pair in zip(outvars[:count], products) if not pair] + outvars[count:]
+    run = jax_compat.jaxpr_as_fun(jax_compat.jaxpr_with_outputs(closed, kept + operands))
     flat = run(*jax.tree.leaves(args))
-    outputs = jax.tree.unflatten(jax.tree.structure(shape), flat[:len(outvars)])
-    gradients = flat[:count]
-    if not operands:
-        return outputs, all_finite(gradients)
-    # Each operand's sum of absolute values: at least its largest value,
-    # NaN or Inf where one is.
-    magnitudes = {var: abs_sum(value) for var, value in zip(operands, flat[len(outvars):])}
-    within = []
-    for pair, gradient in zip(products, gradients):
-        if pair:
-            a, b = (magnitudes[var] for var in pair)
-            limit = np.asarray(np.finfo(gradient.dtype).max / _MARGIN, gradient.dtype)
-            # NaN compares False: a NaN or Inf operand fails the bound. Each
-            # sum is bounded too: an operand rounded to bfloat16 on its way
-            # into the product must stay clear of the top of its range.
-            within.append((a <= limit) & (b <= limit) & (a * b <= limit))
-    unbounded = [g for pair, g in zip(products, gradients) if not pair]
-    bounded = jnp.all(jnp.stack(within))
+    operand_values = dict(zip(operands, flat[len(kept):]))
+    computed = iter(flat[:len(kept)])
+    gradients = [_Product(_equations_to(var, producers), [operand_values[o] for o in pair]) if pair
+                 else next(computed) for var, pair in zip(outvars[:count], products)]
+    rest = list(computed)
+    outputs = jax.tree.unflatten(jax.tree.structure(shape), [None] * count + rest)
+    unbounded = [g for g in gradients if not isinstance(g, _Product)]
+    surely_finite = sums_finite(unbounded)
+    if operands:
+        # Each operand's sum of absolute values: at least its largest value,
+        # NaN or Inf where one is.
+        magnitudes = {var: abs_sum(operand_values[var]) for var in operands}
+        within = []
+        for pair in products:
+            if pair:
+                a, b = (magnitudes[var] for var in pair)
+                dtype = pair[0].aval.dtype
+                limit = np.asarray(np.finfo(dtype).max / _MARGIN, dtype)
+                # NaN compares False: a NaN or Inf operand fails the bound.
+                # Each sum is bounded too: an operand rounded to bfloat16 on
+                # its way into the product must stay clear of the top of
+                # its range.
+                within.append((a <= limit) & (b <= limit) & (a * b <= limit))
+        surely_finite = jnp.logical_and(surely_finite, jnp.all(jnp.stack(within)))
+    return (CheckedGradients(gradients, surely_finite), *outputs[1:])
 
-    def the_rest():
-        return all_finite(unbounded) if unbounded else jnp.asarray(True)
 
-    def every_gradient():
-        return all_finite(gradients)
-
-    return outputs, jax.lax.cond(bounded, the_rest, every_gradient)
+def _equations_to(var, producers):
+    """The equations from a product (`dot_general`) to `var`, in order."""
+    equations = []
+    while producers[var].primitive.name in _SAME_VALUES:
+        equations.append(producers[var])
+        var = producers[var].invars[0]
+    equations.append(producers[var])
+    return equations[::-1]
 
 
 def _product_operands(var, producers):

@@ -333,11 +333,11 @@ class TowerSteps(TowerState):
 
         metrics = [m[0] for m in tower_metrics]
         tower_args = (jax_towers.per_tower(trainable, self.num_towers), non_trainable, optimizer_vars, metrics, data)
-        gradients_finite = None
         if self.check_finite and self.num_towers == 1:
             # One tower's gradients are checked from the products that made
-            # them, where that bounds them (finite_check.py).
-            (gradients, non_trainable, metrics, values), gradients_finite = self._switch(
+            # them, where that bounds them, and those products are computed
+            # where the update uses them (finite_check.py).
+            checked, non_trainable, metrics, values = self._switch(
                 lambda index, *args: finite_check.checked_gradients(functools.partial(tower, index), *args),
                 *tower_args)
         else:
@@ -349,30 +349,32 @@ class TowerSteps(TowerState):
         if self.num_towers > 1:
             tower_finite = jax_towers.all_finite(gradients)
             gradients = jax_towers.mean_over_towers(gradients)
+            if self.check_finite:
+                checked = finite_check.CheckedGradients.of(gradients)
 
-        def apply():
+        def apply(gradients):
             return tuple(map(list, model.optimizer.stateless_apply(
                 optimizer_vars, gradients, trainable)))
 
+        def keep():
+            return list(trainable), list(optimizer_vars)
+
         if self.check_finite:
-            if gradients_finite is None:
-                gradients_finite = jax_towers.all_finite(gradients)
-            finite = jnp.logical_and(gradients_finite, going)
             if in_place:
                 # A cond, not a select of the new values: a skipped update
                 # costs nothing and an applied one no extra pass over the
                 # weights.
-                new_trainable, new_optimizer = jax.lax.cond(
-                    finite, apply, lambda: (list(trainable), list(optimizer_vars)))
+                (new_trainable, new_optimizer), finite = checked.apply_if_finite(apply, keep, going)
             else:
                 # Writing a new state, a cond copies the old one into its
                 # operands and out of its untaken branch; a select writes
                 # each new value once (a ConvNet's step on a CPU: 0.92 of
                 # the donated step with the cond, level with the select).
-                applied = apply()
+                gradients = checked.values()
+                finite = jnp.logical_and(checked.finite(gradients), going)
                 new_trainable, new_optimizer = (
                     [jnp.where(finite, n, o) for n, o in zip(new, old)]
-                    for new, old in zip(applied, (trainable, optimizer_vars)))
+                    for new, old in zip(apply(gradients), (trainable, optimizer_vars)))
             flags = finite if self.num_towers == 1 else self._towers_to_blame(tower_finite, finite)
         else:
             # A cond even unchecked (on `going`, True there): its operands
@@ -383,9 +385,10 @@ class TowerSteps(TowerState):
             # `steps_per_execution`'s unrolled steps XLA:CPU fused SGD with
             # momentum into chains computing each step's weights again from
             # every earlier step's gradients (0.64 of stock Keras-JAX's
-            # speed at 8 steps a call; 0.91-0.99 with the cond).
-            new_trainable, new_optimizer = jax.lax.cond(
-                going, apply, lambda: (list(trainable), list(optimizer_vars)))
+            # speed at 8 steps a call; 0.91-0.99 with the cond). An
+            # optimization barrier instead of the cond did not keep the
+            # copy away: XLA:CPU drops it before placing its buffers.
+            new_trainable, new_optimizer = jax.lax.cond(going, lambda: apply(gradients), keep)
             finite = flags = jnp.asarray(True)
         non_trainable = jax_towers.from_tower_0(non_trainable, self.num_towers)
         metrics = [m[None] for m in metrics]
