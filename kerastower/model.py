@@ -225,7 +225,7 @@ class TowerModel(backend.tower_steps(), keras.Model):
                 self, run.state, callbacks, verbose, logdir, epochs, epoch_length)
             if run.state.global_step == 0 and self.optimizer is not None:
                 # A model trained or loaded by Keras before goes on counting.
-                run.state.global_step = int(self.optimizer.iterations.numpy())
+                run.state.global_step = int(keras.ops.convert_to_numpy(self.optimizer.iterations))
             steps = FitSteps(self, source, callbacks, steps_per_epoch, validation, verbose)
             with self.engine.running(source):
                 MainLoop(run).run(steps, initial_epoch + 1, epochs, steps_per_epoch,

@@ -160,6 +160,81 @@ def test_the_products_the_bound_covers_are_computed_inside_the_updates_cond():
     assert kernels <= set(in_branches(step.eqns))
 
 
+def test_a_product_read_elsewhere_too_is_computed_once():
+    # A step that also logs its gradient's norm reads the product before
+    # the update: it is computed there, once, and not again in the cond.
+    import jax
+    import jax.numpy as jnp
+
+    from kerastower.backend.jax import finite_check
+
+    def step(w, x):
+        gradient = jax.grad(lambda w: jnp.sum(jnp.tanh(x @ w)))(w)
+        return [gradient], jnp.sum(gradient * gradient)
+
+    def checked_step(w, x):
+        checked, norm = finite_check.checked_gradients(step, w, x)
+        new, finite = checked.apply_if_finite(lambda gradients: w - 0.1 * gradients[0], lambda: w,
+                                              jnp.asarray(True))
+        return new, finite, norm
+
+    def kernel_products(equations):
+        found = 0
+        for e in equations:
+            found += e.primitive.name == "dot_general" and e.outvars[0].aval.shape == (FEATURES, FEATURES)
+            for branch in e.params.get("branches", ()):
+                found += kernel_products(branch.jaxpr.eqns)
+        return found
+
+    w, x = jnp.ones((FEATURES, FEATURES)), jnp.ones((2, FEATURES))
+    closed = jax.make_jaxpr(checked_step)(w, x)
+    assert kernel_products(closed.jaxpr.eqns) == 1
+    new, finite, norm = jax.jit(checked_step)(w, x)
+    gradient, _ = step(w, x)
+    np.testing.assert_allclose(new, w - 0.1 * gradient[0], rtol=1e-6)
+    assert bool(finite)
+
+
+class _FirstBiasWithoutGradient(kt.TowerModel):
+    def train_step(self, state, data):
+        import jax
+
+        trainable, non_trainable, optimizer_variables, metrics_variables = state
+        x, y = data
+
+        def loss_of(trainable):
+            y_pred, non_trainable_out = self.stateless_call(trainable, non_trainable, x, training=True)
+            return keras.ops.mean((y_pred - y) ** 2), non_trainable_out
+
+        (loss, non_trainable), gradients = jax.value_and_grad(loss_of, has_aux=True)(trainable)
+        gradients = [None if i == 1 else g for i, g in enumerate(gradients)]
+        trainable, optimizer_variables = self.optimizer.stateless_apply(
+            optimizer_variables, gradients, trainable)
+        return {"loss": loss}, (trainable, non_trainable, optimizer_variables, metrics_variables)
+
+
+def test_a_variable_without_a_gradient_trains_as_with_the_check_off():
+    def model(check_finite):
+        with kt.distributed("single", devices=[0]):
+            keras.utils.set_random_seed(0)
+            inputs = keras.Input((32,))
+            hidden = keras.layers.Dense(FEATURES, activation="relu")(inputs)
+            model = _FirstBiasWithoutGradient(inputs, keras.layers.Dense(1)(hidden))
+            model.compile(optimizer=keras.optimizers.SGD(1e-2), loss="mse", check_finite=check_finite)
+        return model
+
+    rng = np.random.default_rng(4)
+    x = rng.normal(size=(16, 32)).astype("float32")
+    y = rng.normal(size=(16, 1)).astype("float32")
+    checked, unchecked = model(True), model(False)
+    start = checked.get_weights()
+    for each in (checked, unchecked):
+        each.fit(x, y, batch_size=8, shuffle=False, verbose=0)
+    np.testing.assert_array_equal(checked.get_weights()[1], start[1])  # the bias without a gradient
+    for got, want in zip(checked.get_weights(), unchecked.get_weights()):
+        np.testing.assert_array_equal(got, want)
+
+
 def _kernel_gradient_producer(batch, precision=None):
     import jax
     import jax.numpy as jnp

@@ -41,3 +41,37 @@ def test_an_uncompiled_model_predicts():
         model = kt.TowerModel(inputs, keras.layers.Dense(1)(inputs))
     x = np.random.default_rng(1).normal(size=(7, 4)).astype("float32")
     np.testing.assert_allclose(model.predict(x, batch_size=2, verbose=0), model(x), atol=1e-6)
+
+
+@pytest.mark.parametrize("num_towers", [1, 2])
+def test_an_optimizer_accumulating_gradients_trains_as_in_keras(num_towers):
+    # With `gradient_accumulation_steps`, Keras's JAX optimizer holds its
+    # step count as an array, not a variable: fit reads it either way.
+    # Two towers of 4 examples each are one Keras batch of 8.
+    x = np.random.default_rng(0).normal(size=(32, 8)).astype("float32")
+    y = x.sum(axis=1, keepdims=True)
+
+    def trained(model_class, batch_size, devices):
+        with kt.distributed("mirrored", devices=devices):
+            keras.utils.set_random_seed(0)
+            inputs = keras.Input((8,))
+            model = model_class(inputs, keras.layers.Dense(1)(inputs))
+            model.compile(optimizer=keras.optimizers.SGD(0.05, gradient_accumulation_steps=2), loss="mse")
+            history = model.fit(x, y, batch_size=batch_size, epochs=2, shuffle=False, verbose=0)
+        return model, history.history["loss"]
+
+    if keras.backend.backend() == "tensorflow":
+        # Keras applies the accumulated gradients in a tf.cond that
+        # MirroredStrategy cannot reduce from: stock Keras fails there too.
+        with pytest.raises(kt.StrategyError, match="gradient_accumulation_steps=2"):
+            trained(kt.TowerModel, 8 // num_towers, tower_devices(num_towers))
+        return
+    reference, reference_losses = trained(keras.Model, 8, tower_devices(1))
+    model, losses = trained(kt.TowerModel, 8 // num_towers, tower_devices(num_towers))
+    # Keras counts the updates applied, one each 2 steps.
+    assert int(keras.ops.convert_to_numpy(model.optimizer.iterations)) == int(
+        keras.ops.convert_to_numpy(reference.optimizer.iterations)) == 4
+    assert model.loop.global_step == 8
+    np.testing.assert_allclose(losses, reference_losses, rtol=1e-5)
+    for got, want in zip(model.get_weights(), reference.get_weights()):
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)

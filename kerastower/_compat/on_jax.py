@@ -21,6 +21,7 @@ becomes each tower's own after one step, and Keras's JAX `rnn` fails.
 typed as each tower's own while a tower's step is traced.
 """
 
+import contextlib
 import functools
 import importlib
 import inspect
@@ -83,7 +84,11 @@ def run_equations(equations, inputs):
         bind = getattr(getattr(equation, "primitive", None), "bind", None)
         if not callable(bind) or not isinstance(getattr(equation, "params", None), dict):
             raise _missing("jax.extend.core.JaxprEqn with a primitive to bind and its params")
-        value = bind(*(inputs if index == 0 else [value]), **equation.params)
+        # The context the equation was traced in (compute type, XLA
+        # metadata, mesh), as JAX's own evaluation of a jaxpr enters it.
+        context = getattr(getattr(equation, "ctx", None), "manager", None)
+        with context if context is not None else contextlib.nullcontext():
+            value = bind(*(inputs if index == 0 else [value]), **equation.params)
     return value
 
 

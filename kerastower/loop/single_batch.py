@@ -62,7 +62,7 @@ def train_on_batch(model, x, y=None, sample_weight=None, class_weight=None, retu
         shuffle=False, method="fit")
     engine.build_for(source, step="train")
     if model.loop.global_step == 0 and model.optimizer is not None:
-        model.loop.global_step = int(model.optimizer.iterations.numpy())
+        model.loop.global_step = int(keras.ops.convert_to_numpy(model.optimizer.iterations))
     # A scratch loop state: fit's input position is not this call's.
     loop = LoopState()
     loop.epoch_num, loop.global_step = 1, model.loop.global_step

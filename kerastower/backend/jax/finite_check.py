@@ -32,14 +32,14 @@ bound covers are computed where the update uses them
 (`CheckedGradients.values`): inside the cond that applies it, where the
 thunks of one layer's product and another's update may run side by side.
 
-Gating the update costs one cond on a flag that needs no second look
+Gating the update rests on a flag that needs no second look
 (`CheckedGradients.apply_if_finite`): the bound met and the other
 gradients' sums finite. The rare step where that is not so (a NaN, an
-Inf, or a sum that overflowed from finite values) takes the cond's other
-branch, which reads every gradient and decides exactly. On XLA:CPU each
-conditional costs about as much as a small pass over the weights (a
-1024-wide MLP's step on a 2-core VM: 5.02 ms with its update in a cond,
-4.94 applied outright), so the common step runs one.
+Inf, or a sum that overflowed from finite values) reads every gradient
+and decides exactly. On XLA:CPU each conditional costs about as much as
+a small pass over the weights (a 1024-wide MLP's step on a 2-core VM:
+5.02 ms with its update in a cond, 4.94 applied outright), so the common
+step runs two: one that only hands the flag on, and the update's.
 """
 
 import jax
@@ -98,8 +98,9 @@ class CheckedGradients:
 
     def apply_if_finite(self, apply, keep, going):
         """(`apply(values())` where every gradient is finite and `going`,
-        else `keep()`; the flag saying which), with one cond in the common
-        case.
+        else `keep()`; the flag saying which). The common step runs the
+        update's cond after one that only hands on `surely_finite`; every
+        gradient is read only where that flag is False.
 
         Example:
 
@@ -128,12 +129,14 @@ class _Product:
         return jax_compat.run_equations(self.equations, self.operands)
 
 
-def checked_gradients(branch, *args):
+def checked_gradients(branch, *args, defer_products=True):
     """(`branch(*args)` with its gradients as a `CheckedGradients`).
 
-    `branch` returns a tuple whose first item is the list of gradients.
-    Those that a bound covers are computed when `CheckedGradients.values`
-    is called; the rest are summed (`towers.sums_finite`).
+    `branch` returns a tuple whose first item is the list of gradients
+    (None for a variable without one). With `defer_products`, those that
+    a bound covers, and that nothing else in the step reads, are computed
+    when `CheckedGradients.values` is called; the others are summed
+    (`towers.sums_finite`).
 
     Example:
 
@@ -153,19 +156,22 @@ def checked_gradients(branch, *args):
     outvars = list(jaxpr.outvars)
     producers = {var: eqn for eqn in jaxpr.eqns for var in eqn.outvars}
     products = [_product_operands(var, producers) for var in outvars[:count]]
+    uses = _uses(jaxpr)
+    deferred = [bool(pair) and defer_products and _read_once(var, producers, uses)
+                for var, pair in zip(outvars[:count], products)]
     operands = list(dict.fromkeys(var for pair in products if pair for var in pair))
-    # The products themselves are not outputs here: XLA drops them from
-    # this part of the step, and `values()` computes them where used.
-    kept = [var for var, pair in zip(outvars[:count], products) if not pair] + outvars[count:]
+    # A deferred product is not an output here: this part of the step does
+    # not compute it, and `values()` computes it where it is used.
+    kept = [var for var, later in zip(outvars[:count], deferred) if not later] + outvars[count:]
     run = jax_compat.jaxpr_as_fun(jax_compat.jaxpr_with_outputs(closed, kept + operands))
     flat = run(*jax.tree.leaves(args))
     operand_values = dict(zip(operands, flat[len(kept):]))
     computed = iter(flat[:len(kept)])
-    gradients = [_Product(_equations_to(var, producers), [operand_values[o] for o in pair]) if pair
-                 else next(computed) for var, pair in zip(outvars[:count], products)]
+    gradients = [_Product(_equations_to(var, producers), [operand_values[o] for o in pair]) if later
+                 else next(computed) for var, pair, later in zip(outvars[:count], products, deferred)]
     rest = list(computed)
     outputs = jax.tree.unflatten(jax.tree.structure(shape), [None] * count + rest)
-    unbounded = [g for g in gradients if not isinstance(g, _Product)]
+    unbounded = [g for g, pair in zip(gradients, products) if not pair]
     surely_finite = sums_finite(unbounded)
     if operands:
         # Each operand's sum of absolute values: at least its largest value,
@@ -183,7 +189,28 @@ def checked_gradients(branch, *args):
                 # its range.
                 within.append((a <= limit) & (b <= limit) & (a * b <= limit))
         surely_finite = jnp.logical_and(surely_finite, jnp.all(jnp.stack(within)))
+    # The gradients in the branch's own structure: a None (a variable
+    # without a gradient) back in its place.
+    gradients = jax.tree.unflatten(jax.tree.structure(shape[0]), gradients)
     return (CheckedGradients(gradients, surely_finite), *outputs[1:])
+
+
+def _uses(jaxpr):
+    """How many times each variable is read: by an equation or as an output."""
+    uses = {}
+    for var in [v for eqn in jaxpr.eqns for v in eqn.invars] + list(jaxpr.outvars):
+        if not jax_compat.is_jaxpr_literal(var):
+            uses[var] = uses.get(var, 0) + 1
+    return uses
+
+
+def _read_once(var, producers, uses):
+    """Whether the product's values, on their way to the gradient `var`,
+    are read only there: the gradient taken once, no value of its chain
+    read elsewhere (a logged norm). Else computing it again where the
+    update uses it would compute it twice."""
+    chain = _equations_to(var, producers)
+    return all(uses.get(eqn.outvars[0], 0) == 1 for eqn in chain)
 
 
 def _equations_to(var, producers):

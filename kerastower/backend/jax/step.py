@@ -335,10 +335,13 @@ class TowerSteps(TowerState):
         tower_args = (jax_towers.per_tower(trainable, self.num_towers), non_trainable, optimizer_vars, metrics, data)
         if self.check_finite and self.num_towers == 1:
             # One tower's gradients are checked from the products that made
-            # them, where that bounds them, and those products are computed
-            # where the update uses them (finite_check.py).
+            # them, where that bounds them, and on a CPU those products are
+            # computed where the update uses them (finite_check.py). On an
+            # accelerator XLA might fuse and tune a product moved into a
+            # cond otherwise than the same product with the check off.
             checked, non_trainable, metrics, values = self._switch(
-                lambda index, *args: finite_check.checked_gradients(functools.partial(tower, index), *args),
+                lambda index, *args: finite_check.checked_gradients(
+                    functools.partial(tower, index), *args, defer_products=self._host_memory),
                 *tower_args)
         else:
             # Each tower differentiates its own copy of the weights: the

@@ -199,7 +199,8 @@ def sums_finite(values):
 
 
 def _float_values(values):
-    return [v for v in values if jnp.issubdtype(v.dtype, jnp.inexact) and v.size]
+    # None: a variable a custom train_step gave no gradient.
+    return [v for v in values if v is not None and jnp.issubdtype(v.dtype, jnp.inexact) and v.size]
 
 
 def abs_sum(value):

@@ -26,6 +26,7 @@ from kerastower.backend.tensorflow import step_calls
 from kerastower.backend.tensorflow import step_errors
 from kerastower.backend.tensorflow import xla
 from kerastower import arguments
+from kerastower.errors import StrategyError
 from kerastower.inputs import keras_order
 from kerastower.inputs.sources import as_input_source
 
@@ -104,6 +105,8 @@ class TensorFlowEngine(StepEngine):
         return source
 
     def build_for(self, source, step=None, with_targets=True):
+        if step == "train":
+            _check_gradient_accumulation(self.model)
         batch_checks.build_for(self.model, source, with_targets, step)
 
     def fit_feed(self, source, steps_per_epoch, steps_per_call):
@@ -231,6 +234,26 @@ class TensorFlowEngine(StepEngine):
         reading = contextlib.nullcontext() if source is None else source.reading()
         with batch_checks.original_errors(self.failures), reading:
             yield
+
+
+def _check_gradient_accumulation(model):
+    """Keras's TensorFlow optimizer applies accumulated gradients inside a
+    `tf.cond`, and a tf.distribute strategy cannot reduce over the
+    replicas from there (stock Keras under MirroredStrategy fails the
+    same way, with a `merge_call` RuntimeError): said before the step is
+    traced."""
+    steps = getattr(model.optimizer, "gradient_accumulation_steps", None)
+    tf_strategy = getattr(model.tower_strategy, "tf_strategy", None)
+    mirrored = (tf.distribute.MirroredStrategy, tf.distribute.MultiWorkerMirroredStrategy)
+    if not steps or not isinstance(tf_strategy, mirrored):
+        return
+    raise StrategyError(
+        f"fit: the optimizer has gradient_accumulation_steps={steps}, and on TensorFlow "
+        f"Keras applies accumulated gradients inside a tf.cond that a "
+        f"{type(tf_strategy).__name__} cannot reduce from (stock Keras fails there "
+        "too). Train with a larger batch per tower instead (towers x per-tower batch "
+        "is the step's batch), or on JAX (KERAS_BACKEND=jax), where kerastower "
+        "runs gradient accumulation on any number of towers.")
 
 
 def _check_ends(source, method, argument=None):
