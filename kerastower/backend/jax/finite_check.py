@@ -27,8 +27,8 @@ long sequence's activations against a kernel) are read directly.
 
 `checked_gradients` traces a tower's step once to a jaxpr (JAX's program
 text), reads which equation produced each gradient, and runs the same
-program with the products' operands as extra outputs. The products the
-bound covers are computed where the update uses them
+program with the products' operands as extra outputs. On a CPU the
+products the bound covers are computed where the update uses them
 (`CheckedGradients.values`): inside the cond that applies it, where the
 thunks of one layer's product and another's update may run side by side.
 
@@ -90,11 +90,13 @@ class CheckedGradients:
         inside a cond's branch, they are computed there."""
         return [g.value() if isinstance(g, _Product) else g for g in self._gradients]
 
-    def finite(self, gradients):
-        """Whether `gradients` (`values()`) are all finite, exactly: a look
-        at every one only where `surely_finite` is False."""
-        surely = self.surely_finite
-        return jax.lax.cond(surely, lambda: surely, lambda: all_finite(gradients))
+    def finite(self, going):
+        """Whether every gradient is finite and `going`, exactly: the cond's
+        common branch only hands `surely_finite` on; the other reads every
+        gradient (`values()`, computed there)."""
+        sure = jnp.logical_and(self.surely_finite, going)
+        return jax.lax.cond(sure, lambda: sure,
+                            lambda: jnp.logical_and(all_finite(self.values()), going))
 
     def apply_if_finite(self, apply, keep, going):
         """(`apply(values())` where every gradient is finite and `going`,
@@ -111,9 +113,7 @@ class CheckedGradients:
         >>> new.tolist(), bool(finite)
         ([0.0, 0.0], False)
         """
-        sure = jnp.logical_and(self.surely_finite, going)
-        finite = jax.lax.cond(sure, lambda: sure,
-                              lambda: jnp.logical_and(all_finite(self.values()), going))
+        finite = self.finite(going)
         return jax.lax.cond(finite, lambda: apply(self.values()), keep), finite
 
 

@@ -373,8 +373,8 @@ class TowerSteps(TowerState):
                 # operands and out of its untaken branch; a select writes
                 # each new value once (a ConvNet's step on a CPU: 0.92 of
                 # the donated step with the cond, level with the select).
+                finite = checked.finite(going)
                 gradients = checked.values()
-                finite = jnp.logical_and(checked.finite(gradients), going)
                 new_trainable, new_optimizer = (
                     [jnp.where(finite, n, o) for n, o in zip(new, old)]
                     for new, old in zip(apply(gradients), (trainable, optimizer_vars)))
