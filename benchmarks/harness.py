@@ -80,6 +80,20 @@ def whole_fit_runner(fit, warmup=WARMUP):
     return run
 
 
+def whole_call_runner(call):
+    """A runner timing `call(steps)` whole (an `evaluate` or `predict` of
+    `steps` steps: its fixed cost included, as a user pays it), warmed up
+    once here (tracing is paid once a model)."""
+    call(WARMUP)
+
+    def run(steps):
+        wall, cpu = time.perf_counter(), time.process_time()
+        call(steps)
+        return time.perf_counter() - wall, time.process_time() - cpu, steps
+
+    return run
+
+
 def loop_runner(step):
     """A runner calling `step()` (a tf.function) once per step from Python,
     as a hand-written training loop does."""

@@ -20,7 +20,9 @@ model from the same arrays. The spe rows run kt-JAX and stock Keras-JAX fit
 with `steps_per_execution` (K steps in one jitted call). The other rows time
 steps with a callback's batch hook, which makes both fits wait for each
 step's logs; the verbose=1 row is fit as most users call it (a progress bar,
-no callback of their own), each fit timed whole. Ratios are taken round by round in one process
+no callback of their own), each fit timed whole. The evaluate and predict
+rows time whole calls of as many batches (verbose=0), stock Keras-JAX's
+against kt-JAX's on one device. Ratios are taken round by round in one process
 (harness.py), rates in samples per second.
 """
 
@@ -84,6 +86,15 @@ def progress_bar_runner(model, x, y, batch):
         x, y, batch_size=batch, steps_per_epoch=steps, epochs=1, verbose=1, callbacks=callbacks))
 
 
+def inference_runners(model, x, y, batch):
+    """evaluate and predict of `steps` batches, verbose=0, each call timed whole."""
+    evaluate = harness.whole_call_runner(lambda steps: model.evaluate(
+        x[:steps * batch], y[:steps * batch], batch_size=batch, verbose=0))
+    predict = harness.whole_call_runner(lambda steps: model.predict(
+        x[:steps * batch], batch_size=batch, verbose=0))
+    return evaluate, predict
+
+
 def rows_for(build, batch, towers, steps, rounds, spe=8, data_steps=64, fixed_rounds=15):
     # Stock Keras fit stops where arrays end: they hold every step a fit takes.
     data_steps = max(data_steps, harness.WARMUP + steps + spe)
@@ -107,6 +118,9 @@ def rows_for(build, batch, towers, steps, rounds, spe=8, data_steps=64, fixed_ro
         "kt verbose=1": (progress_bar_runner(tower_model, x, y, batch), batch),
         "stock verbose=1": (progress_bar_runner(stock, x, y, batch), batch),
     }
+    for who, model in (("kt", tower_model), ("stock", stock)):
+        evaluate, predict = inference_runners(model, x, y, batch)
+        runners[f"{who} evaluate"], runners[f"{who} predict"] = (evaluate, batch), (predict, batch)
     if towers > 1:
         with kt.distributed("mirrored", devices=list(range(towers))):
             many = models.compile_model(build(kt.TowerModel), jit_compile=True)
@@ -122,6 +136,10 @@ def rows_for(build, batch, towers, steps, rounds, spe=8, data_steps=64, fixed_ro
          "stock spe", 1.0),
         (f"JAX {name}", "kt fit / stock Keras-JAX fit, both verbose=1 (the progress bar), timed whole",
          "kt verbose=1", "stock verbose=1", 1.0),
+        (f"JAX {name}", "kt evaluate / stock Keras-JAX evaluate, verbose=0, timed whole",
+         "kt evaluate", "stock evaluate", 1.0),
+        (f"JAX {name}", "kt predict / stock Keras-JAX predict, verbose=0, timed whole",
+         "kt predict", "stock predict", 1.0),
     ]
     if towers > 1:
         rows.append((f"JAX {name}", f"kt fit {towers} towers / kt fit 1 device", "kt towers", "kt", None))

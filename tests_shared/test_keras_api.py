@@ -13,6 +13,7 @@ import kerastower as kt
 from kerastower.backend.engine import StepEngine
 
 from shared_helpers import BACKEND
+from shared_helpers import tower_devices
 from shared_helpers import two_towers  # noqa: F401  (a fixture)
 
 
@@ -126,6 +127,84 @@ def test_stop_evaluating_from_a_callback_ends_evaluate(two_towers):
     model.evaluate(x, y, batch_size=8, verbose=0, callbacks=[StopAfterFirst(), log])
     assert [c for c in log.calls if c.startswith("test_batch_end")] == [
         "test_batch_end:0:['accuracy', 'loss']"]
+
+
+class ZeroKernelAfterFirstStep(keras.callbacks.Callback):
+    """Sets the last layer's kernel to zeros after the first test and
+    predict step."""
+
+    def _zero(self, batch):
+        if batch == 0:
+            kernel = self.model.layers[-1].kernel
+            kernel.assign(np.zeros(kernel.shape, "float32"))
+
+    def on_test_batch_end(self, batch, logs=None):
+        self._zero(batch)
+
+    def on_predict_batch_end(self, batch, logs=None):
+        self._zero(batch)
+
+
+def _ones_model(model_class):
+    inputs = keras.Input((3,))
+    model = model_class(inputs, keras.layers.Dense(1, use_bias=False, kernel_initializer="ones")(inputs))
+    model.compile(optimizer="sgd", loss="mse")
+    return model
+
+
+def test_a_weight_a_callback_sets_mid_evaluation_is_used_by_the_next_steps():
+    # The evaluation and prediction steps place the variables once, and
+    # again where a callback set one (backend/jax/tower_state.py).
+    x, y = np.ones((16, 3), "float32"), np.zeros((16, 1), "float32")
+    towers = 2
+    expected_loss = _ones_model(keras.Model).evaluate(
+        x, y, batch_size=4 * towers, verbose=0, callbacks=[ZeroKernelAfterFirstStep()])
+    expected_outputs = _ones_model(keras.Model).predict(
+        x, batch_size=4 * towers, verbose=0, callbacks=[ZeroKernelAfterFirstStep()])
+    with kt.distributed("mirrored", devices=tower_devices(towers)):
+        model = _ones_model(kt.TowerModel)
+        loss = model.evaluate(x, y, batch_size=4, verbose=0, callbacks=[ZeroKernelAfterFirstStep()])
+        model = _ones_model(kt.TowerModel)
+        outputs = model.predict(x, batch_size=4, verbose=0, callbacks=[ZeroKernelAfterFirstStep()])
+    # The first step's examples (one batch per tower) at 3**2, the others at 0.
+    assert loss == pytest.approx(9.0 * 4 * towers / 16) == pytest.approx(expected_loss)
+    np.testing.assert_array_equal(outputs, expected_outputs)
+    assert outputs[:4 * towers].tolist() == [[3.0]] * (4 * towers) and not outputs[4 * towers:].any()
+
+
+class MetricsSeen(keras.callbacks.Callback):
+    """Records the model's metric results after every test step."""
+
+    def __init__(self):
+        super().__init__()
+        self.seen = []
+
+    def on_test_batch_end(self, batch, logs=None):
+        self.seen.append({k: float(v) for k, v in self.model.get_metrics_result().items()})
+
+
+def test_a_callback_reads_the_metrics_of_each_evaluation_step_as_in_keras():
+    # On JAX the steps' metric sums reach the model's variables when a
+    # callback reads `self.model`, not at every step.
+    x, y = _data(32)
+    expected = MetricsSeen()
+    keras.utils.set_random_seed(3)
+    stock = _model()
+    stock = keras.Model(stock.inputs, stock.outputs)
+    stock.compile(optimizer="sgd", loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+                  metrics=["accuracy"])
+    stock.evaluate(x, y, batch_size=8, verbose=0, callbacks=[expected])
+    seen = MetricsSeen()
+    with kt.distributed("single", devices=tower_devices(1)):
+        model = kt.TowerModel(stock.inputs, stock.outputs)
+        model.compile(optimizer="sgd", loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+                      metrics=["accuracy"])
+        model.evaluate(x, y, batch_size=8, verbose=0, callbacks=[seen])
+        final = {k: float(v) for k, v in model.get_metrics_result().items()}
+    assert len(seen.seen) == 4
+    for ours, theirs in zip(seen.seen, expected.seen):
+        assert ours == pytest.approx(theirs, abs=1e-6)
+    assert final == pytest.approx(expected.seen[-1], abs=1e-6)
 
 
 def test_tower_model_around_a_keras_model_shares_its_weights(two_towers):

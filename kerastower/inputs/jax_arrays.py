@@ -97,6 +97,9 @@ class ArrayBatches:
             peek()
         return self._take(np.arange(min(self.batch_size, self.length)))
 
+    def _take_consecutive(self, indices):
+        return self._take(slice(int(indices[0]), int(indices[-1]) + 1))
+
     def _take(self, indices):
         batch = [a[indices] for a in self._leaves]
         if self._flat:
@@ -109,11 +112,15 @@ class ArrayBatches:
         Each is a list of per-tower batches (one batch holding the rest, for
         a last step short of a whole one). A resumed pass replays the same
         order from the seed, less the `skip_steps` steps taken before."""
+        # Unshuffled (evaluate, predict, shuffle=False), a batch's rows
+        # are consecutive: a slice takes them as a view, where a gather
+        # copied them (a 64x784 float32 batch: 50 us a step).
+        take = self._take if self.rows.shuffle else self._take_consecutive
         for step in self.rows.steps_of_pass(num_towers, pass_index, skip_steps):
             if len(step) == num_towers and len(step[-1]) == self.batch_size:
-                yield [self._take(rows) for rows in step]
+                yield [take(rows) for rows in step]
             else:
-                yield [self._take(np.concatenate(step))]
+                yield [take(np.concatenate(step))]
 
     def endless(self, num_towers, first_pass=0, skip_steps=0):
         """Pass after pass, each reshuffled, less the first `skip_steps` steps of all."""

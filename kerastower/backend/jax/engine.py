@@ -37,6 +37,7 @@ class JaxEngine(StepEngine):
         super().__init__(model)
         self._steps = {}  # number of towers -> jax_step.TowerSteps
         self.metric_resets = MetricResets()
+        self._inference_open = False  # inside an evaluate or predict (`open_inference`)
 
     def compiled(self, jit_compile):
         self._steps = {}
@@ -51,6 +52,7 @@ class JaxEngine(StepEngine):
                 self.model, mesh, getattr(self.model, "tower_check_finite", True))
         steps = self._steps[len(devices)]
         steps.flags_read_late = self.flags_read_late
+        steps.inference_variables_kept(self._inference_open)
         return steps
 
     # Whether fit's calls come back before their flags are read (set
@@ -203,11 +205,20 @@ class JaxEngine(StepEngine):
         stats = [d.memory_stats() for d in devices if d.process_index == jax.process_index()]
         return [s["peak_bytes_in_use"] for s in stats if s and "peak_bytes_in_use" in s]
 
+    def open_inference(self, source, steps=None):
+        # An evaluation or prediction changes no variable list: its steps
+        # may walk the model's layers for them once (`tower_steps`).
+        self._inference_open = True
+        return super().open_inference(source, steps)
+
     @contextlib.contextmanager
     def running(self, source=None):
         try:
             yield
         finally:
+            self._inference_open = False
+            for tower_steps in self.all_tower_steps():
+                tower_steps.inference_variables_kept(False)
             self.sync_state()  # also when training stopped on an error
 
 

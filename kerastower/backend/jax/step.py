@@ -170,6 +170,7 @@ class TowerSteps(TowerState):
             function = self._function(f"train_steps:{len(steps)}",
                                       functools.partial(self._train_steps_body, len(steps)))
         state = (*self._current_state(), self._metric_state())
+        self._inference = None  # training changes what it placed
         donated = not self.launches_ahead()
         try:
             outputs = function(state, data, self._gate(going))
@@ -207,17 +208,18 @@ class TowerSteps(TowerState):
 
     def test(self, batches):
         """One evaluation step on one batch per tower; returns the logs."""
-        state = (*self._current_state()[:2], self._metric_state())
+        state = (*self._inference_state(), self._metric_state())
         function = self._function("test", self._test_body)
         metrics, self._summed_metrics, logs, values = function(state, self.place(batches))
+        # The model's metric variables get the sums when something reads
+        # them (`sync`: a callback touching `self.model`, evaluate's end).
         self._tower_metrics = metrics
-        self._write_metrics()
         self.final_logs = self.test_values.final_logs(logs)
         return self.test_values.logs(logs, values)
 
     def predict(self, batches):
         """The towers' outputs on one batch each, joined in tower order."""
-        state = self._current_state()[:2]
+        state = self._inference_state()
         function = self._function("predict", self._predict_body)
         return function(state, self.place(batches))
 

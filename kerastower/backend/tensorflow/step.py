@@ -201,11 +201,22 @@ def make_step_function(model, tower_step, mode):
             tower_examples, tower_batches, bad_towers], axis=0)
         return (counters, logs) if final is None else (counters, logs, final)
 
+    def predict_next(iterator, num_steps, endless):
+        # `num_steps` (1) and `endless` (True) only key the bound call
+        # (step_calls.py): the step takes its batches without asking
+        # whether any is left.
+        return predict_function(iterator.get_next())
+
     step_function = predict_function if mode == "predict" else function
     recorded = _recording_collectives(model, mode, step_function)
-    if not model.run_eagerly:
-        return tf.function(recorded, reduce_retracing=True)
-    return recorded
+    if model.run_eagerly:
+        return recorded
+    compiled = tf.function(recorded, reduce_retracing=True)
+    if mode == "predict":
+        # Where every step fills every tower, one call takes the step's
+        # batches and predicts (`TensorFlowEngine.predict_step`).
+        compiled.from_iterator = tf.function(_recording_collectives(model, mode, predict_next))
+    return compiled
 
 
 def _compiled_whole(model, tower_step):

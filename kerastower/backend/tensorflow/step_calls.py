@@ -21,7 +21,7 @@ from kerastower.backend.tensorflow import step_errors
 from kerastower.errors import PeerFailureError
 from kerastower.errors import TowerRuleError
 
-__all__ = ["StepsRun", "run_steps", "logs_across_towers", "traced"]
+__all__ = ["StepsRun", "run_steps", "run_predict_step", "logs_across_towers", "traced"]
 
 
 StepsRun = collections.namedtuple(
@@ -87,6 +87,19 @@ def run_steps(function, iterator, num_steps, what="step", endless=False, failure
         steps, examples, tower_examples, tower_batches, outputs,
         None if finite else [i for i, bad in enumerate(bad_towers) if bad], final[0] if final else None,
     )
+
+
+def run_predict_step(function, iterator, what="Prediction step", failures=None):
+    """One prediction step of `function` (a step function's
+    `from_iterator`) on an iterator whose every step fills every tower;
+    its outputs, or None where the input has ended."""
+    try:
+        return _call(function, iterator, 1, True)
+    except tf.errors.OutOfRangeError:
+        return None
+    except tf.errors.OpError as error:
+        failure = step_errors.explain(error, what, failures)
+        raise failure from failure.__cause__
 
 
 # Per iterator (held weakly: the input's end comes with its iterator's), the
