@@ -354,6 +354,28 @@ def numpy_input(build, batch, steps, rounds, goal=1.2):
     ]
 
 
+def inference(build, batch, steps, rounds):
+    """evaluate and predict of numpy arrays on one device (verbose=0),
+    each call timed whole: kerastower against stock Keras."""
+    x, y = models.examples(build, steps * batch)
+    stock = models.compile_model(build(keras.Model))
+    tower = _tower_model("single", build)
+    runners = {}
+    for who, model in (("stock", stock), ("kt", tower)):
+        runners[f"{who} evaluate"] = (harness.whole_call_runner(lambda n, m=model: m.evaluate(
+            x[:n * batch], y[:n * batch], batch_size=batch, verbose=0)), batch)
+        runners[f"{who} predict"] = (harness.whole_call_runner(lambda n, m=model: m.predict(
+            x[:n * batch], batch_size=batch, verbose=0)), batch)
+    result = harness.compare(runners, steps, rounds)
+    name = build.__name__
+    return [
+        (f"inference {name}, numpy", f"kt {call} / stock Keras {call}, timed whole",
+         result.ratio(f"kt {call}", f"stock {call}"), result.ratio(f"kt {call}", f"stock {call}", cpu=True),
+         1.0, f"{result.rate(f'stock {call}'):.0f} samples/s stock")
+        for call in ("evaluate", "predict")
+    ]
+
+
 def dataset_input(build, batch, steps, rounds):
     """P0: `fit(dataset)` of a finite, shuffled `from_tensor_slices(...).batch()`
     pipeline (keras.io's way, no `.repeat()`) on one device, one pass an

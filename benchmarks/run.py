@@ -16,6 +16,7 @@ with the goal where the project sets one:
   XLA  jit_compile=True / False
   spe  steps_per_execution=8 / 1; kt.Trainer's run_step loop / fit
   fixed  a fit of 1 step and of 50 epochs of 4 steps: stock Keras / kerastower
+  inf  evaluate and predict of numpy arrays on one device / stock Keras's
   P5   Horovod 2 ranks / mirrored 2 towers; towers 1, 2, 4 / 1 device
 and the collectives one step launches under each strategy.
 Without GPUs, the CPU is split into 4 logical devices.
@@ -86,7 +87,7 @@ def horovod_rows(batch, steps, devices):
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="fewer steps and rounds")
-    parser.add_argument("--only", default="", help="comma-separated: P0,P1,P2,P3,XLA,spe,fixed,P5,coll")
+    parser.add_argument("--only", default="", help="comma-separated: P0,P1,P2,P3,XLA,spe,fixed,inf,P5,coll")
     parser.add_argument("--steps", type=int, help="timed steps per run (default 20)")
     parser.add_argument("--rounds", type=int, help="rounds per comparison (default 11)")
     args = parser.parse_args()
@@ -97,8 +98,8 @@ def main():
 
     steps, rounds = (10, 3) if args.quick else (20, 11)
     steps, rounds = args.steps or steps, args.rounds or rounds
-    wanted = set(filter(None, args.only.split(","))) or {"P0", "P1", "P2", "P3", "XLA", "spe", "fixed", "P5",
-                                                 "coll"}
+    wanted = set(filter(None, args.only.split(","))) or {"P0", "P1", "P2", "P3", "XLA", "spe", "fixed", "inf",
+                                                 "P5", "coll"}
     sections = [
         ("P0", lambda: cases.numpy_input(models.mlp256, 128, 2 * steps, rounds)
          + cases.numpy_input(models.convnet, 64, steps, rounds, goal=1.0)
@@ -114,6 +115,7 @@ def main():
         ("spe", lambda: cases.steps_per_execution(models.small_mlp, 32, 4 * steps, rounds)
          + cases.trainer_vs_fit(models.convnet, devices[:2], 64, steps, rounds)),
         ("fixed", lambda: cases.fixed_costs(models.small_mlp, max(3, rounds // 2))),
+        ("inf", lambda: cases.inference(models.mlp256, 128, 4 * steps, rounds)),
         ("P5", lambda: cases.scaling(models.convnet, devices, 64, steps, rounds)),
     ]
     print(f"machine: {machine(where)}")
