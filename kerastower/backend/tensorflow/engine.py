@@ -73,6 +73,8 @@ class TensorFlowEngine(StepEngine):
         # Inference iterators whose every step has every tower's batch
         # (`open_inference`), held weakly: they go with their evaluation.
         self._filled_iterators = weakref.WeakSet()
+        # Others' leading steps that give every tower a batch (arrays).
+        self._filled_steps = weakref.WeakKeyDictionary()
 
     def keras_jit_compile(self, jit_compile):
         # Keras's own step functions, which would jit-compile the cross-tower
@@ -128,9 +130,14 @@ class TensorFlowEngine(StepEngine):
         # As fit's steps (`fills_every_step`): where every step has every
         # tower's batch and no step is asked for past the pass's end, a
         # step need not ask whether data is left.
-        if fills_every_step(source, self.model.tower_strategy) and (
+        strategy = self.model.tower_strategy
+        if fills_every_step(source, strategy) and (
                 steps is None or steps <= source.steps(self.model.num_towers)):
             self._filled_iterators.add(iterator)
+        elif strategy.single_process and getattr(source, "rows", None) is not None:
+            # Arrays: tower k of step s takes batch s*N+k, so every step
+            # before the last batch's gives every tower one (`predict_step`).
+            self._filled_steps[iterator] = source.rows.num_batches() // strategy.num_towers
         return iterator
 
     def test_steps(self, iterator, num_steps, first_step):
@@ -143,11 +150,12 @@ class TensorFlowEngine(StepEngine):
     def predict_step(self, iterator, step):
         function = self.model.make_predict_function()
         from_iterator = getattr(function, "from_iterator", None)
-        if from_iterator is not None and iterator in self._filled_iterators:
-            # Every step gives every tower a batch, and the loop stops at
-            # the pass's known length: one graph call takes the batches
-            # and predicts, where asking eagerly whether data is left and
-            # then calling the step cost 2x stock Keras's step.
+        if from_iterator is not None and (iterator in self._filled_iterators
+                                          or step < self._filled_steps.get(iterator, 0)):
+            # Every step (this one) gives every tower a batch, and the loop
+            # stops at the pass's known length: one graph call takes the
+            # batches and predicts, where asking eagerly whether data is
+            # left and then calling the step cost 2x stock Keras's step.
             return step_calls.run_predict_step(from_iterator, iterator, f"Prediction step {step + 1}",
                                                self.failures)
         try:
