@@ -32,6 +32,15 @@ def test_a_missing_private_model_member_raises_instead_of_being_skipped():
         _compat.compute_loss(NotAKerasModel(), x=None, y=None, y_pred=None)
 
 
+def test_a_variable_without_its_stored_array_raises_instead_of_being_skipped():
+    from kerastower._compat import on_jax
+
+    variable = keras.Variable(np.ones(2, "float32"))
+    assert on_jax.stored_values([variable])[0] is variable.value
+    with pytest.raises(kt.KerasTowerError, match="Variable._value"):
+        on_jax.stored_values([object()])
+
+
 def test_no_module_but_compat_names_private_keras_or_tensorflow():
     # An import, or a module name given to importlib: either reaches inside.
     private = re.compile(r"keras\.src|tensorflow\.python")

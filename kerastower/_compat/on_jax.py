@@ -32,7 +32,7 @@ from kerastower._compat.patches import ScopedPatch
 from kerastower._compat.required import _missing
 from kerastower._compat.required import require
 
-__all__ = ["require_function", "jaxpr_as_fun", "jaxpr_with_outputs", "run_equations", "is_jaxpr_literal", "synchronized_moments_routed", "synchronized_batchnorm_admitted",
+__all__ = ["require_function", "stored_values", "jaxpr_as_fun", "jaxpr_with_outputs", "run_equations", "is_jaxpr_literal", "synchronized_moments_routed", "synchronized_batchnorm_admitted",
            "rnn_initial_states_typed", "current_stateless_scope", "inheriting_stateless_scope", "compile_metrics_parts"]
 
 _MOMENTS = ("keras.src.backend.jax.nn", "moments")
@@ -216,3 +216,14 @@ def compile_metrics_parts(metric):
             raise _missing(f"{type(metric).__name__}.{name} as a list")
         parts.extend(part for part in found if part)
     return parts
+
+
+def stored_values(variables):
+    """What each Keras variable stores (`Variable._value`), without the
+    autocast-scope and global-state lookups of `.value` (4 us a variable):
+    whether a variable was set since is told by its identity. Outside any
+    stateless scope, `.value` returns it."""
+    try:
+        return [v._value for v in variables]
+    except AttributeError as error:
+        raise _missing("keras.Variable._value (the array a variable stores)", error) from None

@@ -15,6 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding
 
+from kerastower._compat import on_jax as jax_compat
 from kerastower.backend.jax.placement import BY_TOWER
 from kerastower.backend.jax.placement import REPLICATED
 from kerastower.backend.jax.placement import local_value
@@ -196,12 +197,12 @@ class TowerState:
         if self._held is not None:
             return self._held[:2]
         variables = self._inference_variables or self._variable_lists()[:2]
-        values = [[v.value for v in some] for some in variables]
+        stored = [jax_compat.stored_values(some) for some in variables]
         cached = self._inference
         if cached is None or any(len(a) != len(b) or any(x is not y for x, y in zip(a, b))
-                                 for a, b in zip(cached[0], values)):
-            placed = _each_array_once(tuple(self._replicated(v) for v in values))
-            cached = self._inference = (values, placed)
+                                 for a, b in zip(cached[0], stored)):
+            placed = _each_array_once(tuple(self._replicated([v.value for v in some]) for some in variables))
+            cached = self._inference = (stored, placed)
         return cached[1]
 
     def inference_variables_kept(self, kept):
