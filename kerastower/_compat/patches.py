@@ -15,7 +15,7 @@ import threading
 from kerastower._compat.required import _missing
 from kerastower._compat.required import require
 
-__all__ = ["ScopedPatch", "PatchGroup", "tower_patches", "stock_fit_checked",
+__all__ = ["ScopedPatch", "PatchGroup", "tower_patches", "stock_fit_checked", "graph_reset_wrapped",
            "gradients_already_reduced", "is_reducing"]
 
 
@@ -207,3 +207,23 @@ def stock_fit_checked(check):
 
     return ScopedPatch(lambda: require("keras.src.backend.tensorflow.trainer", "TensorFlowTrainer"),
                        "fit", checked_fit)
+
+
+def graph_reset_wrapped(around):
+    """A `ScopedPatch` of TensorFlow's `tf.compat.v1.reset_default_graph`
+    (which `keras.backend.clear_session()` calls): while entered, a reset
+    runs as `around(reset)`, `reset` being TensorFlow's own. The reset
+    makes a new default graph, and the `tf.distribute` scopes entered on
+    the old one are gone with it."""
+
+    def wrapped(original):
+        def reset_default_graph():
+            return around(original)
+        return reset_default_graph
+
+    def v1_api():
+        from kerastower._tf import tf
+
+        return tf.compat.v1
+
+    return ScopedPatch(v1_api, "reset_default_graph", wrapped)

@@ -89,10 +89,44 @@ def _jax_strategies():
     return jax_strategies
 
 
-def _active():
+class _OpenBlock:
+    """A `kt.distributed` block open in this thread: its strategy and the
+    `tf.distribute` scope it holds entered (replaced when a graph reset
+    re-enters it)."""
+
+    __slots__ = ("strategy", "scope")
+
+    def __init__(self, strategy, scope):
+        self.strategy = strategy
+        self.scope = scope
+
+
+def _open_blocks():
+    """This thread's open `kt.distributed` blocks, outermost first."""
     if not hasattr(_local, "stack"):
         _local.stack = []
     return _local.stack
+
+
+def _active():
+    return [block.strategy for block in _open_blocks()]
+
+
+def _reenter_scopes(reset_graph):
+    """Runs `reset_graph()` (TensorFlow's `reset_default_graph`, which
+    `keras.backend.clear_session()` calls, keras-tuner before every trial)
+    with this thread's open blocks kept: their strategy scopes, which live on
+    the default graph, are left before the reset and entered again after, so
+    what is built next is built under the block's strategy, as before."""
+    blocks = _open_blocks()
+    for block in reversed(blocks):
+        block.scope.__exit__(None, None, None)
+    try:
+        return reset_graph()
+    finally:
+        for block in blocks:
+            block.scope = block.strategy.scope()
+            block.scope.__enter__()
 
 
 def is_explicit():
@@ -156,7 +190,7 @@ class distributed:
         self.name = name
         self.devices = devices if parsed is None else [given for given, _ in parsed]
         self._strategy = None
-        self._scopes = []
+        self._blocks = []
 
     @property
     def strategy(self):
@@ -176,16 +210,36 @@ class distributed:
         except BaseException:
             patches.__exit__(None, None, None)
             raise
-        self._scopes.append(scope)
-        _active().append(strategy)
+        block = _OpenBlock(strategy, scope)
+        self._blocks.append(block)
+        _open_blocks().append(block)
         return strategy
 
     def __exit__(self, *exc_info):
-        _active().pop()
+        block = self._blocks.pop()
+        blocks = _open_blocks()
+        if block in blocks:
+            blocks.remove(block)
         try:
-            return self._scopes.pop().__exit__(*exc_info)
+            block.scope.__exit__(*exc_info)
+        except Exception as exit_error:
+            if exc_info[1] is not None:
+                # The block's own error is the one to see; the scope's
+                # failure to close is a consequence of it.
+                warnings.warn(f"kerastower: leaving {self!r} after an error in the block, its "
+                              f"strategy scope failed to close too ({exit_error!r}).",
+                              stacklevel=2)
+                return False
+            raise StrategyError(
+                f"Leaving {self!r}: its tf.distribute scope could not be closed "
+                f"({type(exit_error).__name__}: {exit_error}). Something inside the block "
+                "left it already or replaced TensorFlow's default graph under it (a scope "
+                "entered inside the block and not left, or a tf.Graph made the default). "
+                "Leave every scope you enter inside the block before the block ends."
+            ) from exit_error
         finally:
             _block_patches().__exit__(*exc_info)
+        return False
 
     def __call__(self, fn):
         @functools.wraps(fn)
@@ -226,13 +280,19 @@ def _warn_stock_fit(model):
 _STOCK_FIT_CHECK = _compat.stock_fit_checked(_warn_stock_fit)
 
 
+# `keras.backend.clear_session()` inside a block keeps the block's strategy.
+_SCOPES_KEPT_ON_RESET = _compat.graph_reset_wrapped(_reenter_scopes)
+_TENSORFLOW_BLOCK_PATCHES = _compat.PatchGroup([_STOCK_FIT_CHECK, _SCOPES_KEPT_ON_RESET])
+
+
 def _block_patches():
     """The patches a kt.distributed block holds while it is open; outside
     every block, Keras runs unpatched. TensorFlow: stock Keras's fit checks
-    its model. JAX: BatchNormalization(synchronized=True) builds, and its
-    moments are kerastower's (backend/jax/sync.py)."""
+    its model, and a reset of the default graph (`clear_session()`) keeps
+    the open blocks' strategy scopes. JAX: BatchNormalization(synchronized=True)
+    builds, and its moments are kerastower's (backend/jax/sync.py)."""
     if not _on_jax():
-        return _STOCK_FIT_CHECK
+        return _TENSORFLOW_BLOCK_PATCHES
     from kerastower.backend.jax import sync  # imports JAX: only on that backend
 
     return sync.SYNCHRONIZED_BATCHNORM
