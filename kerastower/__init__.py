@@ -63,10 +63,11 @@ if not _on_jax():
     from kerastower.inputs.sources import GeneratorInput
     from kerastower.inputs.sources import InputSource
     from kerastower.inputs.sources import TowerInputContext
+else:
+    from kerastower.strategies.jax_mesh import use_cpu_towers
 
 # What only the TensorFlow backend has, and what to use on JAX instead.
 _TENSORFLOW_ONLY = {
-    "use_cpu_towers": "XLA_FLAGS=--xla_force_host_platform_device_count=N (before JAX starts)",
     "DatasetInput": "numpy arrays, a Python generator or a keras.utils.PyDataset",
     "DummyConstantInput": "numpy arrays, a Python generator or a keras.utils.PyDataset",
     "GeneratorInput": "the generator itself, passed to fit",

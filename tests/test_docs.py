@@ -1,5 +1,6 @@
-"""Every python example in README.md and docs/ runs, and every public name
-has a runnable example in its docstring."""
+"""Every python example in docs/ runs, and every public name has a
+runnable example in its docstring. README.md's examples run as written, in
+a fresh process on each backend: tests_shared/test_readme.py."""
 
 import doctest
 import os
@@ -10,7 +11,7 @@ import pytest
 import kerastower as kt
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-PAGES = ["README.md"] + sorted(
+PAGES = sorted(
     os.path.join("docs", name) for name in os.listdir(os.path.join(ROOT, "docs"))
     if name.endswith(".md") and name != "jax.md"  # tests_jax/ runs its examples
 )

@@ -48,7 +48,7 @@ SCRIPT = textwrap.dedent('''
         real = (np.full((4, 2), 3.0, "float32") for _ in iter(int, 1))
         gan_history = kt.GANTrainer(gan, real).train(steps_per_epoch=3, verbose=0)
     errors = {}
-    for name in ("DatasetInput", "GeneratorInput", "use_cpu_towers"):
+    for name in ("DatasetInput", "GeneratorInput"):
         try:
             getattr(kt, name)
         except kt.KerasTowerError as error:
@@ -86,6 +86,6 @@ def test_fit_evaluate_predict_and_callbacks_run_with_tensorflow_refused(tmp_path
     assert [entry["epoch_num"] for entry in stats] == [1, 2, 3]
     assert stats[-1]["loss"] == result["loss"][-1]
     # TensorFlow-only names say so, and what to use on JAX.
-    assert set(result["errors"]) == {"DatasetInput", "GeneratorInput", "use_cpu_towers"}
+    assert set(result["errors"]) == {"DatasetInput", "GeneratorInput"}
     assert "KERAS_BACKEND=jax" in result["errors"]["DatasetInput"]
     assert "keras.utils.PyDataset" in result["errors"]["DatasetInput"]

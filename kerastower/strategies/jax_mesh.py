@@ -14,13 +14,14 @@ Examples:
 
 import contextlib
 import functools
+import re
 
 import jax
 
 from kerastower.backend.jax import step as jax_step
 from kerastower.errors import StrategyError
 
-__all__ = ["JaxTowerStrategy", "make", "default", "NAMES"]
+__all__ = ["JaxTowerStrategy", "make", "default", "use_cpu_towers", "NAMES"]
 
 NAMES = ("single", "mirrored", "multihost")
 _TENSORFLOW_ONLY = {
@@ -75,12 +76,92 @@ class JaxTowerStrategy:
         return f"JaxTowerStrategy({self.name!r}, towers={self.num_towers})"
 
 
+def use_cpu_towers(num_towers):
+    """Gives JAX `num_towers` CPU devices; returns their names, "/cpu:0", ...
+
+    What `kt.use_cpu_towers` is on JAX: the same script splits the CPU on
+    either backend. JAX takes its number of CPU devices when it starts (its
+    first array or computation), so call it first thing; once JAX has
+    started with at least `num_towers` CPU devices (or XLA_FLAGS'
+    `--xla_force_host_platform_device_count` gave them), it returns the
+    first ones.
+
+    Examples:
+        >>> import kerastower as kt
+        >>> devices = kt.use_cpu_towers(2)      # first thing in the program
+        >>> devices
+        ['/cpu:0', '/cpu:1']
+        >>> with kt.distributed("mirrored", devices=devices) as strategy:
+        ...     print(strategy.num_towers)
+        2
+    """
+    from kerastower.arguments import integer
+
+    num_towers = integer(num_towers, "num_towers", "use_cpu_towers", minimum=1)
+    names = [f"/cpu:{index}" for index in range(num_towers)]
+    asked = max(num_towers, jax.config.jax_num_cpu_devices, _forced_host_devices())
+    try:
+        jax.config.update("jax_num_cpu_devices", asked)
+    except RuntimeError:  # JAX has started: its devices are fixed
+        made = jax.local_devices(backend="cpu")
+        if len(made) < num_towers:
+            raise StrategyError(
+                f"use_cpu_towers({num_towers}): JAX has already started with {len(made)} CPU "
+                "device(s), and its devices cannot change after it starts. Call "
+                "kt.use_cpu_towers first thing in the program, before any JAX or Keras "
+                "computation (creating a model or an array starts JAX), or set XLA_FLAGS="
+                f"--xla_force_host_platform_device_count={num_towers} before the program starts."
+            ) from None
+    return names
+
+
+def _forced_host_devices():
+    """The CPU devices XLA_FLAGS asks for, 0 where it does not."""
+    import os
+
+    found = re.findall(r"--xla_force_host_platform_device_count=(\d+)", os.environ.get("XLA_FLAGS", ""))
+    return int(found[-1]) if found else 0
+
+
+_DEVICE_NAME = re.compile(r"^/(?:device:)?(cpu|gpu|tpu):(\d+)$", re.IGNORECASE)
+
+
+def _named_device(device, name):
+    """The local JAX device a TensorFlow-style name ("/cpu:1", "/gpu:0",
+    "/device:GPU:0") names, so that a script's device list serves both backends."""
+    match = _DEVICE_NAME.match(device.strip())
+    if match is None:
+        raise StrategyError(
+            f"kt.distributed({name!r}): {device!r} is not a device name. On JAX name devices "
+            'as "/cpu:0" or "/gpu:1", or pass jax.Device objects or indices into '
+            "jax.local_devices()."
+        )
+    platform, index = match.group(1).lower(), int(match.group(2))
+    try:
+        of_platform = jax.local_devices(backend=platform)
+    except RuntimeError:
+        of_platform = []
+    if index >= len(of_platform):
+        raise StrategyError(
+            f"kt.distributed({name!r}): {device!r} does not exist: this process has "
+            f"{len(of_platform)} JAX {platform.upper()} device(s) ({of_platform}). "
+            + ("For several CPU towers, call kt.use_cpu_towers(N) first thing in the program."
+               if platform == "cpu" else "Name devices this process has.")
+        )
+    return of_platform[index]
+
+
 def _devices(devices, name):
     local = jax.local_devices()
     if devices is None:
         return local[:1] if name == "single" else local
+    if isinstance(devices, (str, bytes)):
+        raise StrategyError(f"kt.distributed({name!r}): devices is the string {devices!r}, not "
+                            f"a list of devices. Write devices=[{devices!r}].")
     chosen = []
     for device in devices:
+        if isinstance(device, str):
+            device = _named_device(device, name)
         if isinstance(device, int):
             if not 0 <= device < len(local):
                 raise StrategyError(
