@@ -160,3 +160,30 @@ def test_a_strategy_only_places_reduces_and_broadcasts():
         with pytest.warns(DeprecationWarning, match="place_input"):
             placed = strategy.distribute(dataset_fn, per_tower=False)
         assert type(placed) is type(strategy.place_input(dataset_fn, per_tower=False))
+
+
+def test_clear_session_inside_a_block_keeps_its_strategy():
+    """keras-tuner calls keras.backend.clear_session() before every trial:
+    the block's strategy is in effect after it, and leaving the block works."""
+    x, y = id_data(32)
+    with kt.distributed("mirrored", devices=TWO) as strategy:
+        keras.backend.clear_session()
+        assert tf.distribute.get_strategy() is strategy.tf_strategy
+        model = mlp()
+        model.fit(x, y, batch_size=8, epochs=1, verbose=0)
+        assert model.num_towers == 2 and model.loop.global_step == 2
+    assert not tf.distribute.has_strategy()
+
+
+def test_an_error_in_a_block_whose_scope_was_lost_is_reported_as_itself():
+    from tensorflow.python.framework import ops  # TensorFlow's own reset, not the patched one
+
+    with pytest.warns(UserWarning, match="failed to close too"):
+        with pytest.raises(ValueError, match="the block's own error"):
+            with kt.distributed("mirrored", devices=TWO):
+                ops.reset_default_graph()
+                raise ValueError("the block's own error")
+    with pytest.raises(kt.StrategyError, match="could not be closed"):
+        with kt.distributed("mirrored", devices=TWO):
+            ops.reset_default_graph()
+    assert not tf.distribute.has_strategy()
