@@ -90,6 +90,9 @@ class TowerContext:
         self.batch_size = None
         self.sum_over_towers = None
         self.forward_without_collectives = False  # traced where no all-reduce can run
+        # In a kt.Trainer tower function: the optimizers the model holds,
+        # which checkpoints save (kt.minimize refuses any other).
+        self.held_optimizers = None
 
     @property
     def example_weight(self):

@@ -26,6 +26,8 @@ class Regression(kt.Trainer):
 """
 
 from kerastower import backend
+from kerastower.errors import KerasTowerError
+from kerastower.tower import get_current_tower_context
 
 __all__ = ["minimize"]
 
@@ -54,4 +56,22 @@ def minimize(optimizer, loss_fn, variables):
         >>> float(weight.numpy())    # 3 - 0.25 * 2 * 3
         1.5
     """
+    _check_held(optimizer)
     return backend.minimize_step()(optimizer, loss_fn, list(variables))
+
+
+def _check_held(optimizer):
+    """Inside a tower function, `optimizer` must be one the model holds:
+    checkpoints save, and Horovod broadcasts, only those (and on JAX its
+    new state would be lost)."""
+    ctx = get_current_tower_context()
+    held = None if ctx is None else ctx.held_optimizers
+    if held is None or any(optimizer is known for known in held):
+        return
+    names = ", ".join(known.name for known in held) or "none"
+    raise KerasTowerError(
+        f"kt.minimize was given the optimizer {optimizer.name!r} "
+        f"({type(optimizer).__name__}), which the model does not hold: checkpoints save, "
+        "and Horovod broadcasts, only the optimizers the model holds (here: "
+        f"{names}). Keep it on the model, as an attribute (model.g_optimizer = ...) or "
+        "in a list or dict attribute (model.optimizers_of_cycle = [...]).")

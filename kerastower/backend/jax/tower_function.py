@@ -188,6 +188,7 @@ class TowerFunctionRunner(engine.TowerFunctionRunner):
         ctx.check_finite = getattr(model, "tower_check_finite", True)
         health = _Health()
         optimizers = training_optimizers(model)
+        ctx.held_optimizers = optimizers
         # collect_losses: layers' add_loss (activity regularizers) reach model.losses.
         with ctx, keras.StatelessScope(state_mapping=list(zip(variables, values)),
                                        collect_losses=True) as scope, \

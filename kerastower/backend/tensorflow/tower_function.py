@@ -11,6 +11,7 @@ from kerastower._tf import tf
 from kerastower.backend.tensorflow import nonfinite
 from kerastower.backend.tensorflow import step_errors
 from kerastower.backend import engine
+from kerastower.checkpoint.training_state import training_optimizers
 from kerastower.errors import KerasTowerError
 
 __all__ = ["TowerFunctionRunner"]
@@ -42,10 +43,12 @@ class TowerFunctionRunner(engine.TowerFunctionRunner):
         strategy = model.tower_strategy
         reduce = self.reduce
         name = getattr(self, "__qualname__", self.__name__)
+        held = training_optimizers(model)
 
         def in_tower(*args):
             examples = _batch_size(args[0]) if args else None
             with model.tower_scope(self.training, name, examples=examples) as ctx:
+                ctx.held_optimizers = held
                 outputs = self.fn(*args)
             health = nonfinite.tower_health(ctx)
             if not isinstance(outputs, dict):
