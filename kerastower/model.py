@@ -148,12 +148,18 @@ class TowerModel(backend.tower_steps(), keras.Model):
         non-finite step is then applied, as stock Keras applies it."""
         kwargs = arguments.compile_kwargs(kwargs)
         super().compile(*args, jit_compile=self.engine.keras_jit_compile(jit_compile), **kwargs)
+        # Saved as given: Keras's own is off, the towers' steps compile themselves.
+        self._tower_jit_compile_given = jit_compile
         self.tower_check_finite = arguments.boolean(check_finite, "check_finite", "compile")
         self.engine.compiled(jit_compile)
 
     def get_compile_config(self):
-        """Keras's compile config, with `check_finite` when it was turned off."""
+        """Keras's compile config, with `check_finite` when it was turned off
+        and `jit_compile` as `compile` was given it (a loaded model compiles
+        its steps as the saved one did)."""
         config = super().get_compile_config()
+        if config is not None and "jit_compile" in config:
+            config = dict(config, jit_compile=getattr(self, "_tower_jit_compile_given", "auto"))
         if config is not None and not getattr(self, "tower_check_finite", True):
             config = dict(config, check_finite=False)
         return config
