@@ -44,6 +44,7 @@ from kerastower.loss_divisors import global_sum
 from kerastower.loss_divisors import loss_divisor
 
 from kerastower.model import TowerModel
+from kerastower.sequential import TowerSequential
 from kerastower import functional as _functional  # registers the saved-model classes
 from kerastower.trainers import GANModel
 from kerastower.trainers import GANTrainer
@@ -124,6 +125,7 @@ __all__ = [
     "TowerInputContext",
     "TowerModel",
     "TowerRuleError",
+    "TowerSequential",
     "TowerStrategy",
     "Trainer",
     "use_cpu_towers",
