@@ -210,20 +210,58 @@ def stock_fit_checked(check):
 
 
 def graph_reset_wrapped(around):
-    """A `ScopedPatch` of TensorFlow's `tf.compat.v1.reset_default_graph`
-    (which `keras.backend.clear_session()` calls): while entered, a reset
-    runs as `around(reset)`, `reset` being TensorFlow's own. The reset
-    makes a new default graph, and the `tf.distribute` scopes entered on
-    the old one are gone with it."""
+    """A scoped patch of TensorFlow's `reset_default_graph` (which
+    `keras.backend.clear_session()` calls as `tf.compat.v1.reset_default_graph`):
+    while entered, a reset runs as `around(reset)`, `reset` being
+    TensorFlow's own. The reset makes a new default graph, and the
+    `tf.distribute` scopes entered on the old one are gone with it.
 
-    def wrapped(original):
-        def reset_default_graph():
-            return around(original)
-        return reset_default_graph
+    TensorFlow exports the function from several module objects (importing
+    `tensorflow.compat.v1` by name makes a new one and rebinds
+    `tf.compat.v1` to it), so every module holding it is patched."""
+    return _EveryBinding("reset_default_graph", around)
 
-    def v1_api():
-        from kerastower._tf import tf
 
-        return tf.compat.v1
+class _EveryBinding:
+    """While entered, every loaded module whose `name` is TensorFlow's
+    function of that name calls `around(original)` instead (nested and
+    concurrent scopes share one installation; the last to leave restores)."""
 
-    return ScopedPatch(v1_api, "reset_default_graph", wrapped)
+    def __init__(self, name, around):
+        self._name = name
+        self._around = around
+        self._lock = threading.Lock()
+        self._depth = 0
+        self._patched = []
+
+    def __enter__(self):
+        import sys
+
+        with self._lock:
+            if self._depth == 0:
+                from kerastower._tf import tf
+
+                original = getattr(tf.compat.v1, self._name, None)
+                if original is None:
+                    raise _missing(f"tf.compat.v1.{self._name}")
+
+                def replacement():
+                    return self._around(original)
+
+                functools.update_wrapper(replacement, original)
+                self._patched = [module for module in list(sys.modules.values())
+                                 if getattr(module, self._name, None) is original]
+                for module in self._patched:
+                    setattr(module, self._name, replacement)
+                self._original = original
+            self._depth += 1
+        return self
+
+    def __exit__(self, *exc_info):
+        with self._lock:
+            self._depth -= 1
+            if self._depth == 0:
+                for module in self._patched:
+                    setattr(module, self._name, self._original)
+                self._patched = []
+        return False
