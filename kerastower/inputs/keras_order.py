@@ -35,6 +35,7 @@ pipeline per epoch replays its seeded shuffle); this module gives the same.
     True
 """
 
+import random
 import threading
 
 import keras
@@ -42,7 +43,8 @@ import numpy as np
 
 from kerastower import _compat
 
-__all__ = ["KerasPassOrder", "NumpyPassOrder", "follow_keras", "order_kind"]
+__all__ = ["KerasPassOrder", "NumpyPassOrder", "PythonPassOrder", "follow_keras", "order_kind",
+           "jax_build_batches"]
 
 
 class KerasPassOrder:
@@ -142,9 +144,7 @@ class NumpyPassOrder:
 
     def _peek_once(self):
         if not self._peeked and self._drawn == -1:
-            import jax
-
-            self._draw(self._generator, first_batches=1 if jax.default_backend() == "cpu" else 2)
+            self._draw(self._generator, first_batches=jax_build_batches())
             self._peeked = True
 
     def __call__(self, pass_index):
@@ -165,6 +165,82 @@ class NumpyPassOrder:
             self._kept = {self._drawn: order}
         if self._moves_global:  # the chief's generator ends where stock Keras leaves it
             np.random.set_state(self._generator.get_state())
+        return self._kept[pass_index]
+
+
+def jax_build_batches():
+    """How many batches stock Keras-JAX's fit reads to build the model: one
+    on the CPU, two elsewhere (it reads one batch ahead there)."""
+    import jax  # only asked on JAX
+
+    return 1 if jax.default_backend() == "cpu" else 2
+
+
+class PythonPassOrder:
+    """Stock Keras's order of a shuffled `keras.utils.PyDataset`'s batches:
+    Keras's PyDataset reader shuffles the batch indices with Python's
+    `random.shuffle` each time a pass begins (on JAX also for the pass its
+    fit reads the build batch from, `peek`), so pass p takes the p-th
+    shuffle drawn since fit began, and Python's generator ends where stock
+    Keras leaves it.
+
+    Drawn from Python's global generator, or, over several processes, from
+    a copy of the chief's (`chiefs_state`, taken when fit began): every
+    process then draws alike, and the chief's global generator is set to
+    where the copy is after each draw (`moves_global`). A pass asked for
+    again replays its draw from the generator's state before it; a resumed
+    run that seeded Python alike draws the passes before its own, as the
+    first run did.
+
+    Examples:
+        >>> import random
+        >>> from kerastower.inputs.keras_order import PythonPassOrder
+        >>> random.seed(3)
+        >>> stock = list(range(5)); random.shuffle(stock)
+        >>> random.seed(3)
+        >>> PythonPassOrder(5)(0) == stock
+        True
+    """
+
+    def __init__(self, length, chiefs_state=None, moves_global=False):
+        self.length = int(length)
+        if chiefs_state is None:
+            self._generator = random
+        else:
+            self._generator = random.Random()
+            self._generator.setstate(chiefs_state)
+        self._moves_global = chiefs_state is not None and moves_global
+        self._peeked = None
+        self._drawn = -1      # the last pass drawn
+        self._kept = {}
+        self._states = {}     # pass -> the generator's state before its draw
+
+    def _draw(self, generator):
+        indices = list(range(self.length))
+        generator.shuffle(indices)
+        if self._moves_global and generator is self._generator:
+            random.setstate(generator.getstate())
+        return indices
+
+    def peek(self):
+        """The order of the pass stock Keras-JAX's fit reads its build
+        batch from: drawn once, before the first pass."""
+        if self._peeked is None:
+            self._peeked = self._draw(self._generator) if self._drawn == -1 else self(0)
+        return self._peeked
+
+    def __call__(self, pass_index):
+        if pass_index in self._kept:
+            return self._kept[pass_index]
+        if pass_index in self._states:  # an earlier pass: replayed from its state
+            replay = random.Random()
+            replay.setstate(self._states[pass_index])
+            return self._draw(replay)
+        while self._drawn < pass_index:
+            self._states[self._drawn + 1] = self._generator.getstate()
+            order = self._draw(self._generator)
+            self._drawn += 1
+            self._kept = {self._drawn: order}
         return self._kept[pass_index]
 
 
@@ -199,8 +275,20 @@ def follow_keras(rows, strategy):
 def order_kind(rows):
     """What decides the order of `rows`'s passes, as a checkpoint records
     it: "keras-tensorflow" or "keras-jax" (with `shuffle="batch"`, followed
-    by the joined batch), "seeded", or None (in order)."""
-    if rows is None or not rows.shuffle:
+    by the joined batch), "seeded", or None (in order).
+
+    `rows` may also be a shuffled PyDataset's batches (`PyDatasetBatches`,
+    or the TensorFlow source holding them): "keras-tensorflow, PyDataset" or
+    "keras-jax, PyDataset" where stock Keras's order is followed (on JAX
+    Keras draws one shuffle more, for the build), else "seeded"."""
+    batches = getattr(rows, "source", rows)
+    if hasattr(batches, "python_order"):
+        if not getattr(batches, "shuffles", False):
+            return None
+        if batches.python_order is None:
+            return "seeded"
+        return f"keras-{keras.backend.backend()}, PyDataset"
+    if rows is None or not getattr(rows, "shuffle", False):
         return None
     if rows.pass_order is None:
         return "seeded"

@@ -26,12 +26,15 @@ Examples:
     (True, [None, 3])
 """
 
+import contextlib
+
 import numpy as np
 
 from kerastower._tf import tf
 from kerastower.backend.tensorflow import step_errors
 from kerastower.errors import DataMismatchError
 from kerastower.inputs import python_feed
+from kerastower.inputs import python_sources
 from kerastower.inputs.dealing import TowerDealer
 from kerastower.inputs.dealing import standardized
 from kerastower.inputs.sources import InputSource
@@ -94,9 +97,16 @@ class PythonSourceInput(InputSource):
         self.kind = source.kind
         self._signature = None
         self._feeds = python_feed.SourceFeeds()
+        self._agreed = False  # whether the processes agreed on the order
 
+    @contextlib.contextmanager
     def _reading(self):
-        return self._feeds.reading()
+        with self._feeds.reading():
+            if getattr(self.source, "method", None):
+                # Stock Keras reads a PyDataset's spec before it resets it.
+                self.signature()
+            with python_sources.reading(self.source):
+                yield
 
     @property
     def per_tower(self):
@@ -171,9 +181,12 @@ class PythonSourceInput(InputSource):
         Each call opens one pass: iterate what it returns once."""
         total = strategy.num_towers
         skip_steps = max(skip_batches) if skip_batches else 0
-        if getattr(self.source, "shuffle_seed", None) is not None:
-            # Every process deals the same order: the chief's seed wins.
-            self.source.shuffle_seed = strategy.broadcast_object(self.source.shuffle_seed)
+        if not self._agreed and not strategy.single_process:
+            # Every process deals the same order: the chief's wins. Once,
+            # before the first pass draws its order.
+            self._agreed = True
+            if getattr(self.source, "shuffle_seed", None) is not None:
+                self.source.shuffle_seed = strategy.broadcast_object(self.source.shuffle_seed)
 
         def steps():
             return self._steps(total, pass_index, skip_steps)

@@ -12,7 +12,10 @@ dealt out in order: tower k of step s takes the source's batch `s * N + k`
 (the dealing is `dealing.py`'s). A step for which fewer than N batches are
 left runs on fewer towers. Nothing is read before its step is due, except
 by a PyDataset's worker threads (reading ahead by index consumes nothing),
-so a generator that fit stops early goes on where fit stopped.
+so a generator that fit stops early goes on where fit stopped. A PyDataset
+is also read, and its `on_epoch_begin` / `on_epoch_end` called, where
+stock Keras does so besides its passes (`PyDatasetBatches`), so that a
+dataset that changes itself in its hooks trains as in stock Keras.
 
 A source is read in passes: `batches(pass_index, skip)` gives one pass's
 batches from batch `skip` on. A PyDataset's batches before `skip` are not
@@ -33,14 +36,17 @@ Examples:
 """
 
 import collections.abc
+import contextlib
 import itertools
 import operator
+import random
 
 import keras
 import numpy as np
 
 from kerastower import _compat
 from kerastower.errors import InputSourceError
+from kerastower.inputs import keras_order
 from kerastower.inputs.dealing import joined
 from kerastower.inputs.dealing import numbered_steps
 from kerastower.inputs.dealing import standardized
@@ -48,7 +54,8 @@ from kerastower.inputs.dealing import standardized
 from kerastower.inputs.dealing import TowerDealer  # noqa: F401
 from kerastower.inputs.dealing import deal  # noqa: F401
 
-__all__ = ["GeneratorBatches", "PyDatasetBatches", "python_batches", "is_batched"]
+__all__ = ["GeneratorBatches", "PyDatasetBatches", "python_batches", "is_batched", "read_by",
+           "reading", "epoch_begins", "epoch_ends"]
 
 
 def is_batched(x):
@@ -210,8 +217,9 @@ class _PassOfDataset(keras.utils.PyDataset):
     """One pass of a PyDataset, in kerastower's order from position `skip`
     on, as a PyDataset for Keras's reader: its batch j is the dataset's batch
     `order[skip + j]` (`skip + j` without an order: the dataset never ends),
-    read with the dataset's workers; `on_epoch_begin` is the dataset's, and
-    its `on_epoch_end` too once the pass is `complete`."""
+    read with the dataset's workers. The dataset's own `on_epoch_begin` ran
+    before (`PyDatasetBatches._pass`); its `on_epoch_end` runs here once the
+    pass is `complete`."""
 
     def __init__(self, source, order, skip):
         dataset = source._dataset
@@ -226,10 +234,7 @@ class _PassOfDataset(keras.utils.PyDataset):
 
     def __getitem__(self, position):
         position += self._skip
-        return self._source._read(position if self._order is None else self._order[position])
-
-    def on_epoch_begin(self):
-        self._source._dataset.on_epoch_begin()
+        return self._source._dataset[position if self._order is None else self._order[position]]
 
     def on_epoch_end(self):
         if self.complete:
@@ -244,8 +249,22 @@ class PyDatasetBatches(_Batches):
     `max_queue_size` batches ahead, exactly as in stock Keras's fit.
 
     A pass is `len(ds)` batches, `ceil(len(ds) / N)` steps, between
-    `on_epoch_begin()` and `on_epoch_end()`. `shuffle` (fit's, as Keras)
-    permutes the batch indices every pass, replayably from numpy's seed.
+    `on_epoch_begin()` and `on_epoch_end()`, as stock Keras calls them:
+    evaluate's and predict's pass ends with its last batch read (of their
+    `steps`), fit's once its epoch's steps are done, unless `stop_training`
+    broke the epoch off (`epoch_ends`); with `steps_per_epoch`, fit's
+    epochs call both, not the passes (`epoch_begins`). `shuffle` (fit's)
+    permutes the batch indices every pass: where Keras's seed is set
+    (`keras.utils.set_random_seed`), with Python's `random` as stock Keras
+    does (`keras_order.PythonPassOrder`: one tower reads stock Keras's
+    order, N towers deal it out); else replayably from a seed drawn from
+    numpy's generator.
+
+    The calls stock Keras 3.15 makes besides the passes are made alike (see
+    `read_by`): on TensorFlow, batches 0 and 1 read for the spec
+    (`first_batches`); on JAX, the build batch read in a pass of its own
+    (`first_batch`); and, when fit or evaluate begins (`reading`), one
+    `on_epoch_end()` (Keras's `EpochIterator.reset()`).
 
     Examples:
         >>> import keras, numpy as np
@@ -267,81 +286,235 @@ class PyDatasetBatches(_Batches):
         self.kind = type(dataset).__name__
         self.length = dataset.num_batches
         self.never_ends = self.length is None
-        self._shuffle = shuffle
-        self.shuffle_seed = int(np.random.randint(2**31 - 1)) if shuffle else None
-        self._first = []  # the first batches, once first_batches read them
+        # Keras never shuffles a PyDataset without end.
+        self.shuffles = bool(shuffle) and not self.never_ends
+        self.method = None  # which call reads it ("fit", "evaluate", "predict"): `read_by`
+        self.python_order = None  # a keras_order.PythonPassOrder, where Keras's seed is set
+        self._seed = None
+        self._agreed = None  # what `shuffle_seed` handed out, until set back
+        self._build_pass_open = False
+        self.steps_limit = None  # the steps evaluate or predict take (`read_by`)
+        self._begin_due = self._epoch_open = False  # fit's epochs with steps_per_epoch
+        self._pass_read = False  # fit's pass of this epoch was read to its end
+        if self.shuffles:
+            if _compat.keras_random_seed() is not None:
+                self.python_order = keras_order.PythonPassOrder(self.length)
+            else:
+                self._seed = int(np.random.randint(2**31 - 1))
+
+    @property
+    def shuffle_seed(self):
+        """What decides the order, for several processes to agree on (the
+        chief's wins; None without shuffle): the seed of the seeded order,
+        or, where stock Keras's order is followed, Python's generator state."""
+        if not self.shuffles:
+            return None
+        if self.python_order is None:
+            return self._seed
+        state = random.getstate()
+        self._agreed = {"python_random": [state[0], list(state[1]), state[2]]}
+        return self._agreed
+
+    @shuffle_seed.setter
+    def shuffle_seed(self, value):
+        if not self.shuffles or value is self._agreed:
+            return  # one process: its own
+        if isinstance(value, dict):
+            version, internal, gauss = value["python_random"]
+            state = (version, tuple(internal), gauss)
+            # The chief draws from the copy too, and its generator follows it.
+            self.python_order = keras_order.PythonPassOrder(
+                self.length, chiefs_state=state, moves_global=state == random.getstate())
+        else:
+            self.python_order, self._seed = None, int(value)
 
     def steps(self, num_towers):
         """Steps in one pass, or None for a PyDataset without end."""
         return None if self.never_ends else -(-self.length // num_towers)
 
-    def first_batches(self, count=1):
-        """Up to `count` first batches (what the model is built from), kept
-        for when a pass reads them."""
+    def _check_not_empty(self):
         if self.length == 0:
             raise InputSourceError(f"The input ({self.kind}) is empty: its length is 0.")
+
+    def first_batches(self, count=1):
+        """Up to `count` first batches, in index order, read as stock
+        Keras's TensorFlow adapter reads them for the dataset's spec: no
+        hook is called, and the passes read them again."""
+        self._check_not_empty()
         count = count if self.never_ends else min(count, self.length)
-        while len(self._first) < count:
-            self._first.append(self._dataset[len(self._first)])
-        # A bare array is `(x,)`, as Keras's reader hands it on.
-        return [standardized((batch,) if isinstance(batch, np.ndarray) else batch, i)
-                for i, batch in enumerate(self._first[:count])]
+        return [_standardized_batch(self._dataset[i], i) for i in range(count)]
 
     def first_batch(self):
-        """Batch 0."""
-        return self.first_batches(1)[0]
+        """The batch the model is built from, read as stock Keras-JAX's fit
+        and evaluate read it: `on_epoch_begin()`, then the pass's first
+        batch (fit's shuffle draws its order), read ahead by one off the
+        CPU; the pass's `on_epoch_end()` comes when the run begins
+        (`reading`)."""
+        self._check_not_empty()
+        self._dataset.on_epoch_begin()
+        self._build_pass_open = True
+        order = self.python_order.peek() if self.python_order is not None else None
+        count = keras_order.jax_build_batches()
+        if not self.never_ends:
+            count = min(count, self.length)
+        batches = [self._dataset[i if order is None else order[i]] for i in range(count)]
+        return _standardized_batch(batches[0], 0)
 
-    def _read(self, index):
-        if index < len(self._first):  # read to build the model: not read again
-            batch, self._first[index] = self._first[index], None
-            if not any(b is not None for b in self._first):
-                self._first = []
-            if batch is not None:
-                return batch
-        return self._dataset[index]
+    @contextlib.contextmanager
+    def reading(self):
+        """The context fit, evaluate or predict reads the dataset in. When
+        it begins, fit and evaluate call `on_epoch_end()` once, as stock
+        Keras's `EpochIterator.reset()` does after building (predict too,
+        on JAX, where its build read a pass)."""
+        if self.method in ("fit", "evaluate") or self._build_pass_open:
+            self._build_pass_open = False
+            self._dataset.on_epoch_end()
+        yield
 
     def _order(self, pass_index):
         if self.never_ends:
-            return itertools.count()
-        if not self._shuffle:
+            return None
+        if not self.shuffles:
             return range(self.length)
-        return np.random.default_rng([self.shuffle_seed, pass_index]).permutation(self.length).tolist()
+        if self.python_order is not None:
+            return self.python_order(pass_index)
+        return np.random.default_rng([self._seed, pass_index]).permutation(self.length).tolist()
 
-    def _pass(self, pass_index, skip=0):
+    def _pass(self, pass_index, skip=0, limit=None, hooks=True):
+        """One pass's batches from position `skip` on; it ends, as far as
+        the hooks go, at batch `limit` (the steps evaluate or predict take)
+        or its last. `hooks` False: fit's epochs call them (`epoch_begins`);
+        fit's pass, one an epoch, ends with its epoch (`epoch_ends`)."""
+        # As in stock Keras, the dataset's on_epoch_begin() runs before the
+        # pass's shuffle is drawn (it may draw from Python's `random` too).
+        if hooks:
+            self._dataset.on_epoch_begin()
+        else:
+            self._begin_epoch_if_due()
+        self._pass_read = False
         # Read by Keras's own PyDataset reader (its worker threads or
         # processes and queue), given the pass's batches in our order.
-        this_pass = _PassOfDataset(self, None if self.never_ends else self._order(pass_index), skip)
-        if self._dataset.use_multiprocessing:
-            self._first = []  # a forked worker's copy would be stale next pass
+        this_pass = _PassOfDataset(self, self._order(pass_index), skip)
         adapter = _compat.py_dataset_adapter(this_pass)
         adapter.on_epoch_begin()
-        last = None if self.never_ends else this_pass.num_batches - 1
+        last = this_pass.num_batches
+        if limit is not None:
+            last = limit - skip if last is None else min(last, limit - skip)
+        last = None if last is None else last - 1
+        batches = iter(adapter.get_numpy_iterator())
         try:
-            for position, batch in enumerate(adapter.get_numpy_iterator()):
-                if position == last:
-                    this_pass.complete = True
+            for position in itertools.count():
+                if not hooks:
+                    self._begin_epoch_if_due()
+                batch = next(batches, _END)
+                if batch is _END:
+                    break
+                if position == last and hooks:
+                    self._pass_read = self.method == "fit"
+                    this_pass.complete = not self._pass_read
                     adapter.on_epoch_end()
                 yield batch
-            if self.length == 0:
-                this_pass.complete = True
         finally:
             # A pass stopped early stops Keras's reader; the dataset's own
             # on_epoch_end waits for a pass that reached its end.
             adapter.on_epoch_end()
 
-    def _pass_items(self, pass_index=0, skip=0):
-        # `on_epoch_begin()` before the pass's first batch is read,
-        # `on_epoch_end()` once its last one was.
-        return self._pass(pass_index, skip)
+    def raw_pass(self, num_towers, pass_index=0, skip_steps=0):
+        """One pass's steps of (number, item) pairs, from step `skip_steps`
+        on: `on_epoch_begin()` before its first batch is read, and
+        `on_epoch_end()` once its last one was (the last of the steps
+        evaluate or predict take; fit's when its epoch ends)."""
+        skip = skip_steps * num_towers
+        limit = None if self.steps_limit is None else self.steps_limit * num_towers
+        return numbered_steps(self._pass(pass_index, skip, limit), num_towers, first_number=skip)
 
     def raw_endless(self, num_towers, skip_steps=0):
-        """Pass after pass, less the first `skip_steps` steps (not read)."""
+        """Pass after pass, less the first `skip_steps` steps (not read).
+        Read by fit (with `steps_per_epoch`), the hooks follow its epochs, as
+        in stock Keras (`epoch_begins`), not the passes."""
         if self.length == 0:
             return iter(())
         first_pass = 0
         if not self.never_ends:
             first_pass, skip_steps = divmod(skip_steps, self.steps(num_towers))
+        hooks = self.method != "fit"
+
+        def numbered(pass_index, skip_steps=0):
+            skip = skip_steps * num_towers
+            return numbered_steps(self._pass(pass_index, skip, hooks=hooks), num_towers,
+                                  first_number=skip)
+
         return itertools.chain(
-            self.raw_pass(num_towers, first_pass, skip_steps),
-            itertools.chain.from_iterable(
-                self.raw_pass(num_towers, p) for p in itertools.count(first_pass + 1)))
+            numbered(first_pass, skip_steps),
+            itertools.chain.from_iterable(numbered(p) for p in itertools.count(first_pass + 1)))
+
+    def epoch_begins(self):
+        """fit's epoch begins (with `steps_per_epoch`): the dataset's
+        `on_epoch_begin()` runs before the epoch's first batch is read, as
+        stock Keras calls it when the epoch's iteration starts."""
+        self._begin_due = True
+
+    def _begin_epoch_if_due(self):
+        if self._begin_due:
+            self._begin_due = False
+            self._epoch_open = True
+            self._dataset.on_epoch_begin()
+
+    def epoch_ends(self, completed):
+        """fit's epoch ended: `on_epoch_end()` where it ran all its steps,
+        its pass read to the end or its `steps_per_epoch` done, and
+        `completed` (stock Keras skips it for an epoch that `stop_training`
+        broke off, at its last step too)."""
+        if completed and (self._epoch_open or self._pass_read):
+            self._dataset.on_epoch_end()
+        self._begin_due = self._epoch_open = self._pass_read = False
+
+
+_END = object()
+
+
+def _standardized_batch(batch, number):
+    # A bare array is `(x,)`, as Keras's reader hands it on.
+    return standardized((batch,) if isinstance(batch, np.ndarray) else batch, number)
+
+
+def _pydataset_batches(source):
+    """The `PyDatasetBatches` `source` reads (itself, or the TensorFlow
+    source holding it), else None."""
+    batches = getattr(source, "source", source)
+    return batches if isinstance(batches, PyDatasetBatches) else None
+
+
+def read_by(source, method, steps=None):
+    """Tells the PyDataset `source` reads, if any, which call reads it
+    ("fit", "evaluate", "predict") and how many steps it takes (None: a
+    pass): stock Keras calls its hooks after building for fit and evaluate
+    only (`PyDatasetBatches.reading`), and ends evaluate's and predict's
+    pass where their steps end."""
+    batches = _pydataset_batches(source)
+    if batches is not None:
+        batches.method = method
+        batches.steps_limit = None if method == "fit" else steps
+
+
+def epoch_begins(source):
+    """fit's epoch begins: see `PyDatasetBatches.epoch_begins` (only fit
+    with `steps_per_epoch` calls the hooks by epoch)."""
+    batches = _pydataset_batches(source)
+    if batches is not None:
+        batches.epoch_begins()
+
+
+def epoch_ends(source, completed):
+    """fit's epoch ended, not broken off where `completed`: see
+    `PyDatasetBatches.epoch_ends`."""
+    batches = _pydataset_batches(source)
+    if batches is not None:
+        batches.epoch_ends(completed)
+
+
+def reading(source):
+    """The context a run reads `source` in: a PyDataset's (see
+    `PyDatasetBatches.reading`); else nothing."""
+    batches = _pydataset_batches(source)
+    return contextlib.nullcontext() if batches is None else batches.reading()

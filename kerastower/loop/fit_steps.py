@@ -14,6 +14,7 @@ from kerastower.callbacks.base import unwrapped
 from kerastower.callbacks.monitors import ProgressBar
 from kerastower.errors import nonfinite_error
 from kerastower.errors import InputSourceError
+from kerastower.inputs import python_sources
 from kerastower.inputs.keras_order import order_kind
 from kerastower.loop.batch_hooks import BatchHooks
 from kerastower.loop.batch_hooks import progress_bar_steps
@@ -91,7 +92,8 @@ class FitSteps(Iteration):
 
     @property
     def array_order(self):
-        return order_kind(getattr(self.source, "rows", None))
+        rows = getattr(self.source, "rows", None)  # numpy arrays; else a PyDataset's order
+        return order_kind(self.source if rows is None else rows)
 
     def start(self, skip_batches, epoch_num):
         self.feed = self.model.engine.fit_feed(self.source, self.steps_per_epoch, self.steps_per_call)
@@ -101,6 +103,7 @@ class FitSteps(Iteration):
         self.model.reset_metrics()
         self.loop = loop
         self.feed.begin_pass(loop)
+        python_sources.epoch_begins(self.source)  # a PyDataset's hook, as Keras times it
 
     def run(self, num_steps):
         self.run_hooks.before_run()
@@ -192,6 +195,9 @@ class FitSteps(Iteration):
         self.model.engine.sync_state()  # epoch-end callbacks and validation read the weights
         if self._settled_failure(loop):
             self.ended_early(loop, loop.local_step)
+        # As Keras, whose epoch iterator a stop_training break leaves unfinished.
+        python_sources.epoch_ends(self.source, not self.model.stop_training and (
+            not self.steps_per_epoch or loop.local_step >= self.steps_per_epoch))
         logs = self._logs_of_every_tower()
         if self.failure is not None and loop.local_step == 0:
             # TerminateOnNaN ended an epoch none of whose steps was applied:

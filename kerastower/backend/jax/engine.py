@@ -26,6 +26,8 @@ from kerastower.backend.jax.feed import FitFeed
 from kerastower.backend.jax.metric_reset import MetricResets
 from kerastower.errors import InputSourceError
 from kerastower.inputs import jax_sources
+from kerastower.inputs import preprocessing
+from kerastower.inputs import python_sources
 
 __all__ = ["JaxEngine"]
 
@@ -88,6 +90,8 @@ class JaxEngine(StepEngine):
 
     def input_source(self, x, y=None, sample_weight=None, batch_size=None, shuffle=False,
                      repeat=False, method="fit", steps=None):
+        x, y, sample_weight, batch_size = preprocessing.preprocessed(
+            self.model, x, y, sample_weight, batch_size, repeat=repeat)
         source = jax_sources.tower_batches(x, y, sample_weight, batch_size, shuffle)
         source.repeated = bool(repeat)
         if method == "fit" and getattr(source, "rows", None) is not None:
@@ -96,16 +100,18 @@ class JaxEngine(StepEngine):
             source.shuffle_seed = self.model.tower_strategy.agree_on_seed(source.shuffle_seed)
         if not steps:
             source.check_finite(method)
-        return source
+        python_sources.read_by(source, method, steps)  # a PyDataset's hooks depend on the call
+        return preprocessing.ready(source) if preprocessing.preprocesses(self.model) else source
 
     def validation_source(self, validation_data, batch_size, steps=None):
+        validation_data = preprocessing.preprocessed_validation(self.model, validation_data, batch_size)
         data = tuple(validation_data) if isinstance(validation_data, (tuple, list)) else (validation_data,)
         val_x, val_y, val_weight = data + (None,) * (3 - len(data))
         source = jax_sources.tower_batches(
             val_x, val_y, val_weight, None if jax_sources.is_batched(val_x) else batch_size)
         if not steps:
             source.check_finite("fit", "validation_steps")
-        return source
+        return preprocessing.ready(source) if preprocessing.preprocesses(self.model) else source
 
     def build_for(self, source, step=None, with_targets=True):
         """Builds the model, its loss and metrics from the source's first
@@ -214,7 +220,8 @@ class JaxEngine(StepEngine):
     @contextlib.contextmanager
     def running(self, source=None):
         try:
-            yield
+            with python_sources.reading(source):  # a PyDataset's reset, as Keras's
+                yield
         finally:
             self._inference_open = False
             for tower_steps in self.all_tower_steps():

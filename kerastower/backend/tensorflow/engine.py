@@ -28,6 +28,8 @@ from kerastower.backend.tensorflow import xla
 from kerastower import arguments
 from kerastower.errors import StrategyError
 from kerastower.inputs import keras_order
+from kerastower.inputs import preprocessing
+from kerastower.inputs import python_sources
 from kerastower.inputs.sources import as_input_source
 
 __all__ = ["TensorFlowEngine"]
@@ -87,6 +89,8 @@ class TensorFlowEngine(StepEngine):
 
     def input_source(self, x, y=None, sample_weight=None, batch_size=None, shuffle=False,
                      repeat=False, method="fit", steps=None):
+        x, y, sample_weight, batch_size = preprocessing.preprocessed(
+            self.model, x, y, sample_weight, batch_size, repeat=repeat)
         if method == "fit":
             source = as_input_source(x, y, sample_weight, batch_size, shuffle, repeat=repeat)
             if getattr(source, "rows", None) is not None:
@@ -98,13 +102,15 @@ class TensorFlowEngine(StepEngine):
             source = as_input_source(x, y, sample_weight, batch_size)
         if not steps:
             _check_ends(source, method)
-        return source
+        python_sources.read_by(source, method, steps)  # a PyDataset's hooks depend on the call
+        return preprocessing.ready(source) if preprocessing.preprocesses(self.model) else source
 
     def validation_source(self, validation_data, batch_size, steps=None):
+        validation_data = preprocessing.preprocessed_validation(self.model, validation_data, batch_size)
         source = arguments.validation_source(validation_data, batch_size)
         if not steps:
             _check_ends(source, "fit", "validation_steps")
-        return source
+        return preprocessing.ready(source) if preprocessing.preprocesses(self.model) else source
 
     def build_for(self, source, step=None, with_targets=True):
         if step == "train":
