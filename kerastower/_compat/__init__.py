@@ -102,6 +102,16 @@ def py_dataset_adapter(dataset):
     return adapter
 
 
+def tf_predictions_joined(parts):
+    """One output's batches of predictions joined as Keras's TensorFlow
+    `predict` joins them: ragged and sparse ones with tf.concat and
+    tf.sparse.concat, dense ones of different shapes into a RaggedTensor;
+    numpy arrays, except what stays ragged or sparse."""
+    module = "keras.src.backend.tensorflow.trainer"
+    joined = require(module, "potentially_ragged_concat")(parts)
+    return require(module, "convert_to_np_if_not_ragged")(joined)
+
+
 def print_msg(message):
     require("keras.src.utils.io_utils", "print_msg")(message)
 

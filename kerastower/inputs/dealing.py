@@ -9,7 +9,8 @@ each tower its part when every tower reads a pipeline of its own, and
 before its step is asked for. How a source is read (in passes, resumed,
 read ahead) is `python_sources.py`'s.
 
-This module imports neither TensorFlow nor JAX.
+This module imports neither TensorFlow nor JAX (ragged_sparse.py touches
+them only for a batch that holds their ragged or sparse tensors).
 
 Examples:
     >>> import numpy as np
@@ -29,11 +30,14 @@ import numpy as np
 
 from kerastower.errors import DataMismatchError
 from kerastower.errors import InputSourceError
+from kerastower.inputs import ragged_sparse
 
 __all__ = ["standardized", "one_step", "numbered_steps", "joined", "deal", "TowerDealer"]
 
 
 def _as_array(leaf, number):
+    if not isinstance(leaf, np.ndarray) and ragged_sparse.is_composite(leaf):
+        return _composite(leaf, number)
     try:
         array = np.asarray(leaf)
     except Exception as error:  # the source's own types: anything may fail
@@ -47,6 +51,21 @@ def _as_array(leaf, number):
             f"{array.dtype}, shape {array.shape}). Yield x, (x, y) or (x, y, "
             "sample_weight) of numpy arrays, or lists and dicts of them.")
     return array
+
+
+def _composite(leaf, number):
+    """A ragged or sparse leaf as Keras hands it to the model: as it is on
+    TensorFlow (where only arrays and tf.data reach the towers with one),
+    padded or a BCOO on JAX (`ragged_sparse.for_jax`)."""
+    if keras.backend.backend() != "jax":
+        raise InputSourceError(
+            f"Batch {number} of the input holds a {type(leaf).__name__}. On TensorFlow, "
+            "kerastower feeds ragged and sparse tensors from arrays (fit(x=ragged, ...)) "
+            "and tf.data.Datasets, not from Python generators, iterables or PyDatasets: "
+            "pass the whole arrays, or a tf.data.Dataset (e.g. "
+            "tf.data.Dataset.from_generator with a tf.RaggedTensorSpec or "
+            "tf.SparseTensorSpec in its output_signature).")
+    return ragged_sparse.for_jax(leaf)
 
 
 def standardized(item, number):
@@ -79,10 +98,17 @@ def _signature(batch):
             [(a.shape[1:], a.dtype) for a in keras.tree.flatten(batch)])
 
 
-def one_step(batches, first_number):
+def one_step(batches, first_number, num_towers=None):
     """The batches of one step as the towers take them: as they are when they
     have one shape; joined, as one tower, when only their numbers of examples
-    differ; a DataMismatchError when they cannot form one step."""
+    differ; a DataMismatchError when they cannot form one step. Ragged and
+    sparse batches are made to fit together (`ragged_sparse.for_towers`,
+    `num_towers`: the run's towers, by default the step's batches)."""
+    composite = ragged_sparse.has_composite(batches)
+    if composite:
+        # Ragged rows padded to the step's longest: the towers share one
+        # shape, as the batch they join would have.
+        batches = ragged_sparse.for_towers(batches, num_towers or len(batches))
     if all(_signature(b) == _signature(batches[0]) for b in batches[1:]):
         sizes = {keras.tree.flatten(b)[0].shape[0] for b in batches}
         if len(sizes) == 1:
@@ -98,20 +124,29 @@ def one_step(batches, first_number):
         "(except the number of examples).")
 
 
+class _Step(list):
+    """One step's (batch number, item) pairs, knowing the run's number of
+    towers (a pass's last step may hold fewer batches)."""
+
+    num_towers = None
+
+
 def numbered_steps(items, num_towers, first_number=0):
     """Steps of up to `num_towers` consecutive items, each a list of
     (batch number, item), taking no item before its step is asked for."""
     items = iter(items)
     for number in itertools.count(first_number, num_towers):
-        step = list(zip(itertools.count(number), itertools.islice(items, num_towers)))
+        step = _Step(zip(itertools.count(number), itertools.islice(items, num_towers)))
         if not step:
             return
+        step.num_towers = num_towers
         yield step
 
 
 def joined(step):
     """A step of (number, item) pairs as the JAX towers take it (`one_step`)."""
-    return one_step([standardized(item, number) for number, item in step], step[0][0])
+    return one_step([standardized(item, number) for number, item in step], step[0][0],
+                    getattr(step, "num_towers", None))
 
 
 def deal(items, num_towers, first_number=0):

@@ -7,7 +7,9 @@ is JAX's own is the placing: a step's batches form one array sharded over
 the towers, so they need one shape. The last step of a pass, when it has
 fewer than `batch_size x N` examples, therefore runs as one tower on all
 of them: on the joined batch, what N towers with an example-weighted
-reduce would compute.
+reduce would compute. A `tf.RaggedTensor` or sparse array among the arrays
+gives batches as Keras's JAX adapters give them (ragged rows padded, a
+sparse batch a BCOO; ragged_sparse.py says how the towers differ).
 
 Examples:
     >>> import numpy as np
@@ -23,9 +25,20 @@ import keras
 import numpy as np
 
 from kerastower.errors import InputSourceError
+from kerastower.inputs import ragged_sparse
 from kerastower.inputs.array_rows import ArrayRows
 
 __all__ = ["ArrayBatches"]
+
+
+def _rows(array):
+    """What a batch's rows are taken from: the array itself, or, for a
+    ragged or sparse one, a taker giving batches as Keras makes them on JAX."""
+    if ragged_sparse.is_ragged(array):
+        return ragged_sparse.RaggedRows(array)
+    if ragged_sparse.is_sparse(array):
+        return ragged_sparse.SparseRows(array)
+    return np.asarray(array)
 
 
 class ArrayBatches:
@@ -52,14 +65,17 @@ class ArrayBatches:
         else:
             self._element = tuple(a for a in (x, y, sample_weight) if a is not None)
         leaves = keras.tree.flatten(self._element)
-        if not leaves or not all(hasattr(a, "shape") and np.ndim(a) >= 1 for a in leaves):
+        if not leaves or not all(
+                ragged_sparse.is_composite(a) or (hasattr(a, "shape") and np.ndim(a) >= 1)
+                for a in leaves):
             raise InputSourceError(
                 "On the JAX backend, fit, evaluate and predict take numpy arrays (or "
-                "lists and dicts of them), a Python generator or iterable of batches, "
-                "or a keras.utils.PyDataset; got "
+                "lists and dicts of them, tf.RaggedTensors and sparse arrays among "
+                "them), a Python generator or iterable of batches, or a "
+                "keras.utils.PyDataset; got "
                 f"{[type(a).__name__ for a in leaves] or type(x).__name__}."
             )
-        lengths = {int(np.shape(a)[0]) for a in leaves}
+        lengths = {ragged_sparse.rows_of(a) for a in leaves}
         if len(lengths) != 1:
             raise InputSourceError(
                 "x, y and sample_weight must have the same number of examples; "
@@ -68,7 +84,12 @@ class ArrayBatches:
         self.length = lengths.pop()
         # Gathered leaf by leaf and packed back as the element is: a step's
         # batches cost the gather, not a walk of the structure each time.
-        self._leaves = [np.asarray(a) for a in leaves]
+        self._leaves = [_rows(a) for a in leaves]
+        # Ragged rows are padded per batch and sparse rows made BCOO batches,
+        # as Keras hands them to a JAX model; a step's towers then share a
+        # shape (`ragged_sparse.for_towers`).
+        self._composite = any(isinstance(a, (ragged_sparse.RaggedRows, ragged_sparse.SparseRows))
+                              for a in self._leaves)
         # (x, y[, sample_weight]) of arrays: a tuple of the leaves as they are.
         self._flat = type(self._element) is tuple and all(hasattr(a, "shape") for a in self._element)
         self.batch_size = batch_size
@@ -118,9 +139,11 @@ class ArrayBatches:
         take = self._take if self.rows.shuffle else self._take_consecutive
         for step in self.rows.steps_of_pass(num_towers, pass_index, skip_steps):
             if len(step) == num_towers and len(step[-1]) == self.batch_size:
-                yield [take(rows) for rows in step]
+                batches = [take(rows) for rows in step]
+                yield ragged_sparse.for_towers(batches, num_towers) if self._composite else batches
             else:
-                yield [take(np.concatenate(step))]
+                batch = [take(np.concatenate(step))]
+                yield ragged_sparse.for_towers(batch, num_towers) if self._composite else batch
 
     def endless(self, num_towers, first_pass=0, skip_steps=0):
         """Pass after pass, each reshuffled, less the first `skip_steps` steps of all."""

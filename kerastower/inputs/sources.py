@@ -28,6 +28,7 @@ import numpy as np
 from kerastower._tf import tf
 from kerastower.inputs import python_feed
 from kerastower.inputs import python_sources
+from kerastower.inputs import ragged_sparse
 from kerastower.arguments import integer
 from kerastower.backend.tensorflow import step_errors
 from kerastower.errors import InputSourceError
@@ -400,10 +401,28 @@ class DummyConstantInput(InputSource):
 
 def _is_array(value):
     return isinstance(value, (np.ndarray, tf.Tensor, tf.RaggedTensor, tf.SparseTensor)) or (
+        ragged_sparse.is_sparse(value)
+    ) or (
         isinstance(value, (list, tuple, dict))
         and value
         and all(_is_array(v) for v in tf.nest.flatten(value))
     )
+
+
+def _tf_arrays(structure):
+    """Arrays with every scipy sparse matrix and JAX BCOO made the
+    `tf.SparseTensor` Keras makes of it on TensorFlow."""
+    if structure is None:
+        return None
+    if ragged_sparse.is_sparse(structure):
+        return ragged_sparse.as_tf_sparse(structure)
+    if isinstance(structure, list):
+        return [_tf_arrays(v) for v in structure]
+    if isinstance(structure, tuple):
+        return tuple(_tf_arrays(v) for v in structure)
+    if isinstance(structure, dict):
+        return {k: _tf_arrays(v) for k, v in structure.items()}
+    return structure
 
 
 def as_input_source(x, y=None, sample_weight=None, batch_size=None, shuffle=False,
@@ -434,6 +453,7 @@ def as_input_source(x, y=None, sample_weight=None, batch_size=None, shuffle=Fals
         )
         from kerastower.inputs.arrays import ArrayInput  # it builds on DatasetInput
 
+        x, y, sample_weight = (_tf_arrays(a) for a in (x, y, sample_weight))
         return ArrayInput(x, y, sample_weight, batch_size, shuffle, repeat)
     if isinstance(x, tf.distribute.DistributedDataset) or hasattr(
         x, "_input_workers"

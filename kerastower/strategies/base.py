@@ -104,7 +104,10 @@ class TowerStrategy:
 
     def concat_tower_outputs(self, per_tower):
         """Per-tower outputs -> one tensor, concatenated in tower order."""
-        return tf.concat(self.tower_values(per_tower), axis=0)
+        values = self.tower_values(per_tower)
+        if isinstance(values[0], tf.SparseTensor):  # as Keras joins sparse batches
+            return tf.sparse.concat(axis=0, sp_inputs=list(values))
+        return tf.concat(values, axis=0)
 
     def sum_over_towers(self, per_tower):
         """Per-tower values -> their sum (float64, for exact counting)."""

@@ -12,6 +12,7 @@ flags unread until the next call, gated on them, is launched
 
 import dataclasses
 
+import jax
 import keras
 import numpy as np
 
@@ -23,7 +24,8 @@ __all__ = ["FitFeed"]
 
 
 def _shapes(step):
-    return [[np.shape(leaf) for leaf in keras.tree.flatten(batch)] for batch in step]
+    # JAX's leaves: a sparse batch's shape is its entries' too.
+    return [[np.shape(leaf) for leaf in jax.tree.leaves(batch)] for batch in step]
 
 
 
