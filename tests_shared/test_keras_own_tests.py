@@ -78,9 +78,6 @@ TWO_TOWER_EXCEPTIONS = {
 KNOWN_GAPS = {
     "tensorflow": {},
     "jax": {
-        **{_SUITE + f"test_predict_preserve_order_{n}_{mode}":
-           "predict on a tf.data pipeline of unknown length (from_generator) asks its length"
-           for n in (1, 50) for mode in ("eager", "jit", "non_jit")},
         _SUITE + "test_nested_input_predict": "predict on a model never built or called: JAX's "
                                               "stateless call needs its variables first",
         _SUITE + "test_rng_updated_during_predict": "predict does not carry a SeedGenerator's new "

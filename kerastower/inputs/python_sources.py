@@ -161,7 +161,9 @@ class GeneratorBatches(_Batches):
         if self._one_shot:
             return None
         length = self._cardinality()
-        if length < 0 and self._cardinality() == -2 and hasattr(self._source, "__len__"):
+        # A tf.data.Dataset of unknown cardinality has a __len__ that raises.
+        has_cardinality = callable(getattr(self._source, "cardinality", None))
+        if length == -2 and not has_cardinality and hasattr(self._source, "__len__"):
             length = len(self._source)
         return None if length < 0 else -(-length // num_towers)
 
