@@ -85,9 +85,16 @@ KNOWN_GAPS = {
         _CALLBACKS + "tensorboard_test.py::TestTensorBoardV2::test_custom_summary":
             "jit_compile=False is not honoured on JAX: the step is always jitted, so a layer "
             "writing a summary from a traced value fails",
-        _CALLBACKS + "tensorboard_test.py::TestTensorBoardV2::test_TensorBoard_weight_images":
-            "a NonFiniteError at step 8 where stock's step applies the NaN",
     },
+}
+
+# Left out of both checks, with the reason: they pass or fail by the draw of
+# their unseeded initial weights, for a difference kerastower makes by design.
+EITHER_WAY = {
+    _CALLBACKS + "tensorboard_test.py::TestTensorBoardV2::test_TensorBoard_weight_images":
+        "its SGD diverges on some initial weights (not seeded): stock applies the NaN step and "
+        "goes on, kerastower stops there with a NonFiniteError (docs/reliability.md); with "
+        "compile(check_finite=False) it applies it as stock does",
 }
 
 pytestmark = pytest.mark.skipif(
@@ -113,13 +120,15 @@ def _run_suite(tmp_path, towers, selected):
 
 
 def _check(results, selected, output, exceptions):
+    selected = [test for test in selected if test not in EITHER_WAY]
     failed = sorted(test for test in selected
                     if test not in exceptions and results.get(test, {}).get("outcome") != "passed")
     assert not failed, f"{len(failed)} of Keras's tests fail with TowerModels: {failed}\n{output}"
     unbuilt = sorted(test for test in selected if test not in exceptions
                      and results.get(test, {}).get("built", 0) == 0)
     assert not unbuilt, f"these built no TowerModel, so they prove nothing here: {unbuilt}"
-    passing = sorted(test for test in exceptions if results.get(test, {}).get("outcome") == "passed")
+    passing = sorted(test for test in exceptions if test not in EITHER_WAY
+                     and results.get(test, {}).get("outcome") == "passed")
     assert not passing, f"these pass now: take them out of the exceptions: {passing}"
 
 
