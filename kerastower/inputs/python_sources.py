@@ -296,7 +296,7 @@ class PyDatasetBatches(_Batches):
         self._agreed = None  # what `shuffle_seed` handed out, until set back
         self._build_pass_open = False
         self.steps_limit = None  # the steps evaluate or predict take (`read_by`)
-        self._begin_due = self._epoch_open = False  # fit's epochs with steps_per_epoch
+        self._epoch_open = False  # fit's epoch called on_epoch_begin (`epoch_begins`)
         self._pass_read = False  # fit's pass of this epoch was read to its end
         if self.shuffles:
             if _compat.keras_random_seed() is not None:
@@ -391,8 +391,6 @@ class PyDatasetBatches(_Batches):
         # pass's shuffle is drawn (it may draw from Python's `random` too).
         if hooks:
             self._dataset.on_epoch_begin()
-        else:
-            self._begin_epoch_if_due()
         self._pass_read = False
         # Read by Keras's own PyDataset reader (its worker threads or
         # processes and queue), given the pass's batches in our order.
@@ -406,8 +404,6 @@ class PyDatasetBatches(_Batches):
         batches = iter(adapter.get_numpy_iterator())
         try:
             for position in itertools.count():
-                if not hooks:
-                    self._begin_epoch_if_due()
                 batch = next(batches, _END)
                 if batch is _END:
                     break
@@ -451,16 +447,13 @@ class PyDatasetBatches(_Batches):
             itertools.chain.from_iterable(numbered(p) for p in itertools.count(first_pass + 1)))
 
     def epoch_begins(self):
-        """fit's epoch begins (with `steps_per_epoch`): the dataset's
-        `on_epoch_begin()` runs before the epoch's first batch is read, as
-        stock Keras calls it when the epoch's iteration starts."""
-        self._begin_due = True
-
-    def _begin_epoch_if_due(self):
-        if self._begin_due:
-            self._begin_due = False
-            self._epoch_open = True
-            self._dataset.on_epoch_begin()
+        """fit's epoch with `steps_per_epoch` began (after the callbacks'
+        `on_epoch_begin`): the dataset's `on_epoch_begin()` runs now, on the
+        loop's thread, as stock Keras calls it when the epoch's iteration
+        starts; not when a batch is read, which a pipeline may do ahead of
+        the epoch."""
+        self._epoch_open = True
+        self._dataset.on_epoch_begin()
 
     def epoch_ends(self, completed):
         """fit's epoch ended: `on_epoch_end()` where it ran all its steps,
@@ -469,7 +462,7 @@ class PyDatasetBatches(_Batches):
         broke off, at its last step too)."""
         if completed and (self._epoch_open or self._pass_read):
             self._dataset.on_epoch_end()
-        self._begin_due = self._epoch_open = self._pass_read = False
+        self._epoch_open = self._pass_read = False
 
 
 _END = object()
@@ -500,8 +493,8 @@ def read_by(source, method, steps=None):
 
 
 def epoch_begins(source):
-    """fit's epoch begins: see `PyDatasetBatches.epoch_begins` (only fit
-    with `steps_per_epoch` calls the hooks by epoch)."""
+    """fit's epoch with `steps_per_epoch` began: see
+    `PyDatasetBatches.epoch_begins` (without it, the passes call the hooks)."""
     batches = _pydataset_batches(source)
     if batches is not None:
         batches.epoch_begins()

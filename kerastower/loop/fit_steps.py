@@ -103,7 +103,10 @@ class FitSteps(Iteration):
         self.model.reset_metrics()
         self.loop = loop
         self.feed.begin_pass(loop)
-        python_sources.epoch_begins(self.source)  # a PyDataset's hook, as Keras times it
+
+    def epoch_begun(self, loop):
+        if self.steps_per_epoch:  # a PyDataset's hook, by epoch as Keras times it
+            python_sources.epoch_begins(self.source)
 
     def run(self, num_steps):
         self.run_hooks.before_run()

@@ -135,6 +135,9 @@ class Iteration:
     def before_epoch(self, loop):
         """At the start of every epoch, before the callbacks' hooks."""
 
+    def epoch_begun(self, loop):
+        """After the callbacks' `on_epoch_begin`, before the epoch's first step."""
+
     def run(self, num_steps):
         raise NotImplementedError
 
@@ -319,6 +322,7 @@ class MainLoop:
         loop.epoch_ended = False
         iteration.before_epoch(loop)
         callbacks.on_epoch_begin(epoch_num - 1)
+        iteration.epoch_begun(loop)
         # Asked after on_train_begin and on_epoch_begin: a callback may set
         # a hook of its own there.
         hooks = batch_hooks(callbacks, iteration.batch_hooks())
