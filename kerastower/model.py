@@ -141,7 +141,9 @@ class TowerModel(backend.tower_steps(), keras.Model):
         forward and backward of `train_step` and the whole `test_step` and
         `predict_step`; on one tower, the whole step. "auto" uses XLA when
         the machine has an accelerator, as Keras does on one device. On JAX
-        the whole step is always one jitted call.
+        the whole step is one jitted call; `jit_compile=False` runs one
+        tower's step op by op, as Keras-JAX does (N towers always jit:
+        docs/performance.md).
 
         `check_finite=False` drops the NaN/Inf check of every step's reduced
         gradients (docs/reliability.md), which reads them once more: a

@@ -186,3 +186,44 @@ def test_the_finite_check_on_a_cpu_sums_as_matrix_vector_products():
     assert on_cpu.count("stablehlo.dot_general") == 3, on_cpu
     on_gpu = jax.jit(all_finite).trace(values).lower(lowering_platforms=("cuda",)).as_text()
     assert "stablehlo.dot_general" not in on_gpu, on_gpu
+
+
+class _ReadsItsInput(keras.layers.Layer):
+    """Identity that reads its input's sum as a Python number, as a layer
+    writing a summary or printing does: possible only op by op."""
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.sums = []
+
+    def call(self, x):
+        if isinstance(x, jax.Array) and not isinstance(x, jax.core.Tracer):  # not the build's
+            self.sums.append(float(keras.ops.sum(x)))
+        return x
+
+
+@pytest.mark.parametrize("run", ["jit_compile=False", "run_eagerly=True"])
+def test_one_tower_runs_op_by_op_without_jit_as_stock_keras(run):
+    """compile(jit_compile=False) or run_eagerly=True: one tower's steps run
+    uncompiled, as Keras-JAX's, so a layer may read its values; the numbers
+    are stock's."""
+    x = np.random.default_rng(0).normal(size=(12, 3)).astype("float32")
+    y = np.random.default_rng(1).normal(size=(12, 2)).astype("float32")
+    kwargs = {"jit_compile": False} if run.startswith("jit") else {"run_eagerly": True}
+    results = []
+    for base in (keras.Model, kt.TowerModel):
+        keras.utils.set_random_seed(3)
+        inputs = keras.Input((3,))
+        reader = _ReadsItsInput()
+        model = base(inputs, keras.layers.Dense(2)(reader(inputs)))
+        model.compile(optimizer="adam", loss="mse", **kwargs)
+        history = model.fit(x, y, batch_size=4, epochs=2, verbose=0, validation_data=(x, y))
+        results.append((model.get_weights(), history.history, model.predict(x, verbose=0),
+                        reader.sums))
+    (want_weights, want_history, want_pred, want_sums), (weights, history, pred, sums) = results
+    for got, want in zip(weights, want_weights):
+        np.testing.assert_allclose(got, want, rtol=0, atol=1e-6)
+    for key in want_history:
+        np.testing.assert_allclose(history[key], want_history[key], rtol=1e-6)
+    np.testing.assert_allclose(pred, want_pred, rtol=0, atol=1e-6)
+    assert len(sums) >= 3 * 2 + 3   # every training, validation and predict step read its input

@@ -44,6 +44,9 @@ class JaxEngine(StepEngine):
     def compiled(self, jit_compile):
         self._steps = {}
         self.metric_resets = MetricResets()  # compile makes new metric variables
+        # As Keras-JAX: jit_compile=False or run_eagerly=True runs the steps
+        # uncompiled, op by op (a layer may then read its values as numbers).
+        self._jitted = jit_compile is not False and not getattr(self.model, "run_eagerly", False)
 
     def tower_steps(self, num_towers=None):
         """The `step.TowerSteps` of the first `num_towers` towers (all by default)."""
@@ -52,6 +55,8 @@ class JaxEngine(StepEngine):
             mesh = jax_step.tower_mesh(devices)
             self._steps[len(devices)] = jax_step.TowerSteps(
                 self.model, mesh, getattr(self.model, "tower_check_finite", True))
+            # N towers run in one shard_map, traced either way: jitted.
+            self._steps[len(devices)].jitted = getattr(self, "_jitted", True) or len(devices) > 1
         steps = self._steps[len(devices)]
         steps.flags_read_late = self.flags_read_late
         steps.inference_variables_kept(self._inference_open)
@@ -116,10 +121,15 @@ class JaxEngine(StepEngine):
     def build_for(self, source, step=None, with_targets=True):
         """Builds the model, its loss and metrics from the source's first
         batch, read only when something is still unbuilt. Prediction
-        builds nothing: Keras's JAX predict step builds what it calls."""
-        if not with_targets:
-            return
+        builds only a model with layers never built, by calling it on the
+        first batch's inputs, as Keras's JAX predict does."""
         model = self.model
+        if not with_targets:
+            if not all(layer.built for layer in _compat.flatten_layers(model)):
+                x, _, _ = keras.utils.unpack_x_y_sample_weight(source.first_batch())
+                with keras.StatelessScope():
+                    model(x)
+            return
         building.mark_built_by_parts(model)
         unbuilt = (not all(layer.built for layer in _compat.flatten_layers(model))
                    or _compat.compiled_loss_or_metrics_unbuilt(model))

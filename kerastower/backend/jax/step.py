@@ -116,6 +116,8 @@ class TowerSteps(TowerState):
         self.final_logs = None  # the last step's `StepRun.final_logs`
         self.going = None  # whether every step of the last call was finite, on the devices
         self._functions = {}
+        self.jitted = True  # False: the steps run op by op (compile's jit_compile=False)
+        self._changed_by = {}  # mode -> the non-trainable positions its step changes (`_changed`)
         self._true = None
 
     # -- the steps --------------------------------------------------------
@@ -210,7 +212,8 @@ class TowerSteps(TowerState):
         """One evaluation step on one batch per tower; returns the logs."""
         state = (*self._inference_state(), self._metric_state())
         function = self._function("test", self._test_body)
-        metrics, self._summed_metrics, logs, values = function(state, self.place(batches))
+        metrics, self._summed_metrics, logs, values, changed = function(state, self.place(batches))
+        self.keep_inference_changes(self._changed_by["test"], changed)
         # The model's metric variables get the sums when something reads
         # them (`sync`: a callback touching `self.model`, evaluate's end).
         self._tower_metrics = metrics
@@ -221,7 +224,9 @@ class TowerSteps(TowerState):
         """The towers' outputs on one batch each, joined in tower order."""
         state = self._inference_state()
         function = self._function("predict", self._predict_body)
-        return function(state, self.place(batches))
+        outputs, changed = function(state, self.place(batches))
+        self.keep_inference_changes(self._changed_by["predict"], changed)
+        return outputs
 
     def _function(self, mode, body):
         donated = mode.startswith("train") and not self.launches_ahead()
@@ -232,25 +237,26 @@ class TowerSteps(TowerState):
                           (REPLICATED,) * 3 + (BY_TOWER, BY_TOWER, REPLICATED)),
                 "train_steps": ((REPLICATED,) * 3 + (BY_TOWER, BY_TOWER, REPLICATED),
                                 (REPLICATED,) * 3 + (BY_TOWER, BY_STEP_AND_TOWER, REPLICATED)),
-                "test": ((REPLICATED,) * 2 + (BY_TOWER, BY_TOWER), (BY_TOWER, REPLICATED)),
-                "predict": ((REPLICATED,) * 2 + (BY_TOWER,), BY_TOWER),
+                "test": ((REPLICATED,) * 2 + (BY_TOWER, BY_TOWER), (BY_TOWER, REPLICATED, REPLICATED)),
+                "predict": ((REPLICATED,) * 2 + (BY_TOWER,), (BY_TOWER, REPLICATED)),
             }[mode.split(":")[0]]
             if mode.startswith("train"):
                 body = functools.partial(body, in_place=donated)
             sharded = (body if self.num_towers == 1 else
                        jax.shard_map(body, mesh=self.mesh, in_specs=specs[0], out_specs=specs[1]))
-            self._functions[key] = jax.jit(
-                functools.partial(self._run, mode, sharded), donate_argnums=0 if donated else ())
+            run = functools.partial(self._run, mode, sharded)
+            self._functions[key] = (jax.jit(run, donate_argnums=0 if donated else ())
+                                    if self.jitted else run)
         return self._functions[key]
 
     def _run(self, mode, sharded, state, data, going=None):
         if mode == "predict":
-            outputs = sharded(*state, data)
+            outputs, changed = sharded(*state, data)
             # Every process returns every tower's outputs, in tower order.
-            return self._on_every_tower(outputs) if self._spans else outputs
+            return (self._on_every_tower(outputs) if self._spans else outputs), changed
         if mode == "test":
-            metrics, values = sharded(*state, data)
-            return (metrics, *self._logs(metrics), values)
+            metrics, values, changed = sharded(*state, data)
+            return (metrics, *self._logs(metrics), values, changed)
         *new_state, finite, values = sharded(*state, data, going)
         finite = self._on_every_tower(finite)
         # The next call's gate: after a step that was not finite, every
@@ -335,7 +341,7 @@ class TowerSteps(TowerState):
 
         metrics = [m[0] for m in tower_metrics]
         tower_args = (jax_towers.per_tower(trainable, self.num_towers), non_trainable, optimizer_vars, metrics, data)
-        if self.check_finite and self.num_towers == 1:
+        if self.check_finite and self.num_towers == 1 and self.jitted:
             # One tower's gradients are checked from the products that made
             # them, where that bounds them, and on a CPU those products are
             # computed where the update uses them (finite_check.py). On an
@@ -356,6 +362,8 @@ class TowerSteps(TowerState):
             gradients = jax_towers.mean_over_towers(gradients)
             if self.check_finite:
                 checked = finite_check.CheckedGradients.of(gradients)
+        elif self.check_finite and not self.jitted:
+            checked = finite_check.CheckedGradients.of(gradients)
 
         def apply(gradients):
             return tuple(map(list, model.optimizer.stateless_apply(
@@ -412,24 +420,41 @@ class TowerSteps(TowerState):
 
     def _test_body(self, trainable, non_trainable, tower_metrics, data):
         model = self.model
+        positions = jax_towers.seed_positions(model, model.non_trainable_variables)
 
         def tower(index, trainable, non_trainable, metrics, data):
             examples = jax.tree.leaves(data)[0].shape[0]
+            non_trainable = jax_towers.seeded_apart(non_trainable, positions, self.num_towers)
             with self._tower_context(index, False, batch_size=examples):
-                logs, (_, _, metrics) = model.test_step((trainable, non_trainable, metrics), data)
-            return list(metrics), self.test_values.local(logs, examples, metrics)
+                logs, (_, new_non_trainable, metrics) = model.test_step((trainable, non_trainable, metrics), data)
+            changed = self._changed("test", non_trainable, new_non_trainable)
+            return list(metrics), self.test_values.local(logs, examples, metrics), changed
 
-        metrics, values = self._switch(tower, trainable, non_trainable, [m[0] for m in tower_metrics], data)
-        return [m[None] for m in metrics], self.test_values.reduced(values, self.num_towers > 1)
+        metrics, values, changed = self._switch(
+            tower, trainable, non_trainable, [m[0] for m in tower_metrics], data)
+        return ([m[None] for m in metrics], self.test_values.reduced(values, self.num_towers > 1),
+                jax_towers.from_tower_0(changed, self.num_towers))
 
     def _predict_body(self, trainable, non_trainable, data):
         model = self.model
+        positions = jax_towers.seed_positions(model, model.non_trainable_variables)
 
         def tower(index, trainable, non_trainable, data):
             ctx = self._tower_context(index, False)
             ctx.name = f"predict_tower{index}"
+            non_trainable = jax_towers.seeded_apart(non_trainable, positions, self.num_towers)
             with ctx:
-                outputs, _ = model.predict_step((trainable, non_trainable), data)
-            return outputs
+                outputs, new_non_trainable = model.predict_step((trainable, non_trainable), data)
+            return outputs, self._changed("predict", non_trainable, new_non_trainable)
 
-        return self._switch(tower, trainable, non_trainable, data)
+        outputs, changed = self._switch(tower, trainable, non_trainable, data)
+        return outputs, jax_towers.from_tower_0(changed, self.num_towers)
+
+    def _changed(self, mode, old, new):
+        """The non-trainable values an evaluation or prediction step changed
+        (a SeedGenerator's state: Dropout at inference), as stock Keras
+        carries them on to the next step; which ones is known when the
+        step is traced (`_changed_by`), by the values' identity."""
+        positions = [i for i, (a, b) in enumerate(zip(old, new)) if a is not b]
+        self._changed_by[mode] = positions
+        return [new[i] for i in positions]

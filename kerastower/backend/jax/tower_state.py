@@ -205,6 +205,25 @@ class TowerState:
             cached = self._inference = (stored, placed)
         return cached[1]
 
+    def keep_inference_changes(self, positions, values):
+        """Carries the non-trainable `values` an evaluation or prediction
+        step changed (at `positions`: a SeedGenerator's state) on to the
+        next step and into the model, as stock Keras-JAX carries them."""
+        if not positions:
+            return
+        if self._held is not None:
+            held = list(self._held)
+            non_trainable = list(held[1])
+            for i, value in zip(positions, values):
+                non_trainable[i] = value
+            held[1] = non_trainable
+            # `sync` writes them into the variables (evaluate's and predict's end).
+            self._held, self._written = tuple(held), None
+            return
+        variables = (self._inference_variables or self._variable_lists()[:2])[1]
+        for i, value in zip(positions, values):
+            variables[i].assign(value)
+
     def inference_variables_kept(self, kept):
         """With `kept`, the model's variable lists are walked once for the
         evaluation or prediction steps that follow (a walk of a small
