@@ -98,6 +98,12 @@ class ArgumentError(KerasTowerError, TypeError, ValueError):
         ArgumentError
     """
 
+    # Exception's own constructor, not TypeError's: TensorFlow's AutoGraph
+    # re-raises an error from a traced step (`kt.loss_divisor` in a loss)
+    # as its own type only where `__init__` is Exception's; else it becomes
+    # a StagingError.
+    __init__ = Exception.__init__
+
 
 class PeerFailureError(KerasTowerError):
     """Another worker of a multi-process training stopped responding

@@ -32,10 +32,13 @@ Examples:
 """
 
 import contextlib
+import numbers
 
 import keras
+import numpy as np
 
 from kerastower import _compat
+from kerastower.errors import ArgumentError
 from kerastower.tower import get_current_tower_context
 
 __all__ = ["loss_divisor", "global_sum", "MASKED_LOSSES", "ForwardCollectiveNeeded",
@@ -77,17 +80,102 @@ def _summing_context():
     return ctx
 
 
+def _dtype_and_shape(value):
+    """(the dtype's name, the static shape as a tuple with None where
+    unknown, or None for an unknown rank) of a tensor, array, list or
+    Python number; (None, None) for anything else."""
+    if isinstance(value, (bool, np.bool_)):
+        return "bool", ()
+    if isinstance(value, numbers.Number) and not hasattr(value, "dtype"):
+        kind = "int" if isinstance(value, numbers.Integral) else (
+            "float" if isinstance(value, numbers.Real) else "complex")
+        return kind, ()
+    if value is None or isinstance(value, (str, bytes)):
+        return None, None
+    if not hasattr(value, "dtype"):
+        try:
+            value = keras.ops.convert_to_tensor(value)  # a list of numbers or tensors
+        except Exception:  # noqa: BLE001 - not a number: described by its repr
+            return None, None
+    try:
+        dtype = keras.backend.standardize_dtype(value.dtype)
+    except (ValueError, TypeError):  # a dtype Keras does not know (str, object)
+        dtype = str(value.dtype)
+    shape = getattr(value, "shape", None)
+    try:
+        shape = None if shape is None else tuple(shape)
+    except (TypeError, ValueError):  # a TensorShape of unknown rank
+        shape = None
+    return dtype, shape
+
+
+def _description(value, dtype, shape):
+    """`value` in words, for an error: its dtype and shape, or its repr."""
+    if dtype is None or (shape == () and not hasattr(value, "shape")):
+        text = repr(value)
+        text = text if len(text) <= 60 else text[:57] + "..."
+        return f"{text} ({type(value).__name__})"
+    kind = ("array" if isinstance(value, np.ndarray) else
+            type(value).__name__ if isinstance(value, (list, tuple)) else "tensor")
+    if shape is None:
+        shape_text = "of unknown shape"
+    else:
+        dims = ", ".join("None" if d is None else str(d) for d in shape)
+        shape_text = f"of shape ({dims}{',' if len(shape) == 1 else ''})"
+    article = "an" if dtype[0] in "aeiou" else "a"
+    return f"{article} {dtype} {kind} {shape_text}"
+
+
+def _is_real(dtype, bool_ok):
+    if dtype in (None, "complex"):
+        return False
+    if dtype in ("bool", "int", "float"):
+        return dtype != "bool" or bool_ok
+    try:
+        return keras.backend.is_float_dtype(dtype) or keras.backend.is_int_dtype(dtype)
+    except (ValueError, TypeError):  # a dtype Keras does not know (str, object)
+        return False
+
+
+def _checked_scalar(value, call, argument, expected):
+    """`value` unchanged where it is one real number (a Python or numpy
+    number, or a tensor of shape ()); else an ArgumentError naming it.
+    Checked on every tower count alike, so what would fail on N towers
+    fails on one."""
+    dtype, shape = _dtype_and_shape(value)
+    if _is_real(dtype, bool_ok=False) and (shape == () or shape is None):
+        return value
+    problem = "must be one number" if _is_real(dtype, bool_ok=False) else "must be a real number"
+    raise ArgumentError(
+        f"{call}: {argument} {problem}, a scalar (a Python number or a tensor of shape ()) "
+        f"of an int or float dtype; got {_description(value, dtype, shape)}. {expected}"
+    )
+
+
 def global_sum(value):
     """`value` summed over every tower and process of the step (in a tower);
     `value` itself elsewhere or on one tower.
+
+    `value`: a tensor, array or Python number of an int, float or bool
+    dtype, of the same shape on every tower (a scalar, per-class counts):
+    it is summed element by element, as float32. Anything else (a str,
+    None, a complex number) raises `kt.errors.ArgumentError`, on one tower
+    too.
 
     Examples:
         >>> import kerastower as kt
         >>> float(kt.global_sum(3.0))
         3.0
     """
+    dtype, shape = _dtype_and_shape(value)
+    if not _is_real(dtype, bool_ok=True):
+        raise ArgumentError(
+            f"kt.global_sum: value must be a tensor, array or Python number of an int, "
+            f"float or bool dtype, of the same shape on every tower; got "
+            f"{_description(value, dtype, shape)}."
+        )
     ctx = _summing_context()
-    value = keras.ops.convert_to_tensor(value, "float32")
+    value = keras.ops.cast(value, "float32")
     if ctx is None:
         return value
     return keras.ops.stop_gradient(ctx.sum_over_towers(value))
@@ -104,11 +192,21 @@ def loss_divisor(count, examples=None):
     kt.loss_divisor(ops.sum(mask))`: on N towers it trains, and logs, as one
     device on the joined batch, however unequal the towers' counts.
 
+    `count` and `examples` are each one number, a scalar of an int or
+    float dtype (`ops.sum(mask)`, not the mask or a count per example);
+    anything else raises `kt.errors.ArgumentError` naming what was given,
+    on one tower as on N.
+
     Examples:
         >>> import kerastower as kt
         >>> float(kt.loss_divisor(7.0))   # outside a tower: the count itself
         7.0
     """
+    _checked_scalar(count, "kt.loss_divisor", "count", _COUNT_EXPECTED)
+    if examples is not None:
+        _checked_scalar(examples, "kt.loss_divisor", "examples",
+                        "Pass this tower's number of examples, or leave it to default to "
+                        "the tower's batch size.")
     ctx = _summing_context()
     count = keras.ops.cast(count, "float32")
     if ctx is None:
@@ -118,6 +216,11 @@ def loss_divisor(count, examples=None):
     examples = keras.ops.cast(examples, "float32")
     summed = keras.ops.stop_gradient(ctx.sum_over_towers(keras.ops.stack([count, examples])))
     return summed[0] * keras.ops.divide_no_nan(examples, summed[1])
+
+
+_COUNT_EXPECTED = (
+    "Pass the tower's total count, e.g. kt.loss_divisor(keras.ops.sum(mask)) for a mask "
+    "of the tokens that count, and divide the summed loss by it.")
 
 
 # Read when a step is traced; benchmarks/token_divisors.py turns it off to

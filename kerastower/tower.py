@@ -49,7 +49,10 @@ class TowerContext:
             tensor); None elsewhere.
         example_weight: in a training step, this tower's share of the step's
             examples, `n_i / sum_j n_j` (a float32 tensor): what
-            `optimizer.apply` weights this tower's gradients by.
+            `optimizer.apply` weights this tower's gradients by. It may be
+            read in the forward pass: a loss summed over the tower's batch,
+            divided by it, is summed over the joined batch (see
+            docs/training.md, "Loss reductions over towers").
         strategy: the `kt.TowerStrategy` running the tower (None when the
             context was made by hand).
         batch_size: this tower's batch size in the step (a scalar tensor),
@@ -89,10 +92,31 @@ class TowerContext:
         self.check_finite = True
         self.batch_size = None
         self.sum_over_towers = None
+        # Whether the tower's code summed a value over the towers (kt.loss_divisor,
+        # kt.global_sum, example_weight): its loss is then normalised over the
+        # joined batch by its own hand (loss_reductions.py reads it).
+        self.summed_over_towers = False
+        # The reductions of Keras losses kerastower cannot see the end of
+        # (loss_reductions.py), as (reduction, owner) pairs.
+        self.unseen_reductions = []
         self.forward_without_collectives = False  # traced where no all-reduce can run
         # In a kt.Trainer tower function: the optimizers the model holds,
         # which checkpoints save (kt.minimize refuses any other).
         self.held_optimizers = None
+
+    @property
+    def sum_over_towers(self):
+        if self._sum_over_towers is None:
+            return None
+
+        def summed(value):
+            self.summed_over_towers = True
+            return self._sum_over_towers(value)
+        return summed
+
+    @sum_over_towers.setter
+    def sum_over_towers(self, function):
+        self._sum_over_towers = function
 
     @property
     def example_weight(self):

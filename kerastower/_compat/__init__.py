@@ -19,6 +19,7 @@ from kerastower._compat.patches import ScopedPatch
 from kerastower._compat.patches import gradients_already_reduced
 from kerastower._compat.patches import graph_reset_wrapped
 from kerastower._compat.patches import is_reducing
+from kerastower._compat.patches import loss_reductions_replaced
 from kerastower._compat.patches import masked_losses_divided_by
 from kerastower._compat.patches import stock_fit_checked
 from kerastower._compat.patches import tower_patches
@@ -29,7 +30,8 @@ from kerastower._compat.required import _missing
 from kerastower._compat.required import require
 
 __all__ = ["TESTED", "TESTED_ON_JAX", "require", "tower_patches", "ScopedPatch", "PatchGroup",
-           "stock_fit_checked", "graph_reset_wrapped", "gradients_already_reduced", "is_reducing", "masked_losses_divided_by"]
+           "stock_fit_checked", "graph_reset_wrapped", "gradients_already_reduced", "is_reducing", "masked_losses_divided_by",
+           "loss_reductions_replaced"]
 
 # -- a concrete function called with its arguments bound once ------------------
 

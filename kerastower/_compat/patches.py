@@ -16,7 +16,7 @@ from kerastower._compat.required import _missing
 from kerastower._compat.required import require
 
 __all__ = ["ScopedPatch", "PatchGroup", "tower_patches", "stock_fit_checked", "graph_reset_wrapped",
-           "gradients_already_reduced", "is_reducing"]
+           "gradients_already_reduced", "is_reducing", "loss_reductions_replaced"]
 
 
 # -- patches: tower semantics for Keras's losses and optimizers -------------------
@@ -192,6 +192,36 @@ def masked_losses_divided_by(divisor):
         return apply_mask
 
     return ScopedPatch(lambda: require("keras.src.losses", "loss"), "apply_mask", divided)
+
+
+def loss_reductions_replaced(reduce):
+    """A `PatchGroup` of Keras's `losses.loss.reduce_values` and of
+    `CompileLoss.call`: while entered, a Keras loss reduces its values as
+    `reduce(keras_reduce, values, sample_weight, reduction, compiled)`,
+    `keras_reduce` being Keras's own and `compiled` whether the loss is a
+    component of the compiled loss (called by `CompileLoss.call` in this
+    thread), whose reductions and sum kerastower knows."""
+    local = threading.local()
+
+    def marking(original):
+        def call(self, *args, **kwargs):
+            depth = getattr(local, "depth", 0)
+            local.depth = depth + 1
+            try:
+                return original(self, *args, **kwargs)
+            finally:
+                local.depth = depth
+        return call
+
+    def replaced(original):
+        def reduce_values(values, sample_weight=None, reduction="sum_over_batch_size"):
+            return reduce(original, values, sample_weight, reduction, getattr(local, "depth", 0) > 0)
+        return reduce_values
+
+    return PatchGroup([
+        ScopedPatch(lambda: require("keras.src.losses", "loss"), "reduce_values", replaced),
+        ScopedPatch(lambda: require("keras.src.trainers.compile_utils", "CompileLoss"), "call", marking),
+    ])
 
 
 def stock_fit_checked(check):

@@ -23,6 +23,7 @@ from kerastower.backend.engine import StepRun
 from kerastower.backend.jax.tower_function import TowerFunctionRunner
 from kerastower.backend.jax import step as jax_step
 from kerastower.backend.jax.feed import FitFeed
+from kerastower.backend.jax.finite_check import step_checks_finite
 from kerastower.backend.jax.metric_reset import MetricResets
 from kerastower.errors import InputSourceError
 from kerastower.inputs import jax_sources
@@ -54,7 +55,7 @@ class JaxEngine(StepEngine):
         if len(devices) not in self._steps:
             mesh = jax_step.tower_mesh(devices)
             self._steps[len(devices)] = jax_step.TowerSteps(
-                self.model, mesh, getattr(self.model, "tower_check_finite", True))
+                self.model, mesh, step_checks_finite(self.model))
             # N towers run in one shard_map, traced either way: jitted.
             self._steps[len(devices)].jitted = getattr(self, "_jitted", True) or len(devices) > 1
         steps = self._steps[len(devices)]

@@ -36,6 +36,7 @@ import keras
 import numpy as np
 from jax.sharding import NamedSharding
 
+from kerastower import loss_reductions
 from kerastower.backend.jax import finite_check
 from kerastower.backend.jax import towers as jax_towers
 from kerastower.backend.jax.towers import first_nonfinite_step
@@ -326,10 +327,11 @@ class TowerSteps(TowerState):
         def tower(index, trainable, non_trainable, optimizer_vars, metrics, data):
             examples = jax.tree.leaves(data)[0].shape[0]
             non_trainable = jax_towers.seeded_apart(non_trainable, positions, self.num_towers)
-            with self._tower_context(index, True, examples), \
+            with self._tower_context(index, True, examples) as ctx, \
                     _gradients_taken(model.optimizer, step_name) as taken:
                 logs, (_, non_trainable, _, metrics) = model.train_step(
                     (trainable, non_trainable, optimizer_vars, metrics), data)
+            loss_reductions.warn_if_unseen(model, ctx)
             values = self.step_values.local(logs, examples, metrics)
             if taken.gradients is None:
                 raise TowerRuleError(

@@ -29,6 +29,7 @@ import keras
 import numpy as np
 from jax.sharding import NamedSharding
 
+from kerastower import loss_reductions
 from kerastower._compat import on_jax as jax_compat
 from kerastower.backend.jax.towers import all_finite
 from kerastower.backend.jax.towers import from_tower_0
@@ -195,6 +196,8 @@ class TowerFunctionRunner(engine.TowerFunctionRunner):
                 _tracing_state(variables), _reducing_apply(optimizers, weight, ctx, health):
             initial = dict(scope.state_mapping)
             outputs = self.fn(*tower_args)
+        if self.training:
+            loss_reductions.warn_if_unseen(model, ctx)
         held = {id(v) for v in variables}
         if any(key not in held for key in scope.state_mapping):
             raise KerasTowerError(

@@ -17,6 +17,7 @@ import numpy as np
 from kerastower import _compat
 from kerastower._compat import on_jax as jax_compat
 from kerastower import loss_divisors
+from kerastower import loss_reductions
 from kerastower.backend.jax import sync as jax_sync
 from kerastower.backend.jax.placement import AXIS
 
@@ -37,8 +38,10 @@ def on_every_tower(branch, num_towers, *args):
     if num_towers == 1:
         with jax_sync.synchronized_over(None):
             return branch(0, *args)
-    # Masked losses divide by the joined batch's count (loss_divisors.py).
-    with jax_sync.synchronized_over(AXIS), loss_divisors.MASKED_LOSSES:
+    # Masked losses divide by the joined batch's count (loss_divisors.py),
+    # each of Keras's reductions is the joined batch's (loss_reductions.py).
+    with jax_sync.synchronized_over(AXIS), loss_divisors.MASKED_LOSSES, \
+            loss_reductions.JOINED_REDUCTIONS:
         traced = [jax.make_jaxpr(functools.partial(branch, i), return_shape=True)(*args)
                   for i in range(num_towers)]
     leaves = jax.tree.leaves(args)

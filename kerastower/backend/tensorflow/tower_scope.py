@@ -15,6 +15,7 @@ import tensorflow as tf
 
 from kerastower import _compat
 from kerastower import loss_divisors
+from kerastower import loss_reductions
 from kerastower.backend.tensorflow import gradients
 from kerastower.tower import TowerContext
 from kerastower.tower import forbid_variable_creation
@@ -48,12 +49,16 @@ def tower_scope(model, is_training, step_name, name=None, examples=None, equal_b
         ctx.example_weight = tf.constant(1.0)
     else:
         n = tf.cast(examples, tf.float32)
-        ctx.defer_example_weight(
-            lambda: tf.math.divide_no_nan(n, strategy.all_reduce_sum([n])[0]))
-    with gradients.TOWER_PATCHES, loss_divisors.MASKED_LOSSES, ctx, \
-            tf.summary.record_if(ctx.is_main_tower), forbid_variable_creation(step_name):
+        # Through kt.global_sum: read in a forward pass some towers skip
+        # (an empty batch), the step is traced again with every tower
+        # running it (loss_divisors.ForwardCollectiveNeeded).
+        ctx.defer_example_weight(lambda: tf.math.divide_no_nan(n, loss_divisors.global_sum(n)))
+    with gradients.TOWER_PATCHES, loss_divisors.MASKED_LOSSES, loss_reductions.JOINED_REDUCTIONS, \
+            ctx, tf.summary.record_if(ctx.is_main_tower), forbid_variable_creation(step_name):
         kept = _kept_for_a_nonfinite_step(model, ctx) if is_training else None
         yield ctx
+        if is_training:
+            loss_reductions.warn_if_unseen(model, ctx)
         if kept is not None:
             _put_back_unless_finite(ctx, kept)
         if is_training:
