@@ -30,7 +30,8 @@ def python_blocks(page):
 
 
 @pytest.mark.parametrize("page", PAGES)
-def test_examples_on_the_page_run(page):
+def test_examples_on_the_page_run(page, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)  # what the examples write goes there
     blocks = python_blocks(page)
     namespace = {"__name__": f"docs_{os.path.basename(page)}"}
     for block in blocks:

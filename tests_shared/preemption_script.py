@@ -9,7 +9,11 @@ epoch one pass. --slow sleeps S seconds after every step and --marks writes
 a file `step-<global step>` there after every step, so that a test can
 signal the run mid-epoch; --signal-during-save makes the process send
 itself a second SIGTERM while its preemption checkpoint is being written;
---backup adds Keras's BackupAndRestore (epoch-end backups) beside AutoResume.
+--backup adds Keras's BackupAndRestore (epoch-end backups) beside AutoResume;
+--stateful validates every epoch (on labels unlike the training ones, so
+that the validation loss soon rises) with EarlyStopping(restore_best_weights),
+ReduceLROnPlateau and ModelCheckpoint(save_best_only), and also saves their
+state (best epoch, stopped epoch, learning rate).
 Without --dropout the model is deterministic across tower counts (Dense
 layers only), which the elastic-resume tests need.
 """
@@ -33,6 +37,8 @@ ARGS.add_argument("--dropout", action="store_true")
 ARGS.add_argument("--strict", action="store_true")
 ARGS.add_argument("--save-every", type=int, default=0)
 ARGS.add_argument("--backup", action="store_true", help="add keras.callbacks.BackupAndRestore")
+ARGS.add_argument("--stateful", action="store_true",
+                  help="validate, with EarlyStopping, ReduceLROnPlateau, ModelCheckpoint")
 OPTIONS = ARGS.parse_args()
 
 if os.environ.get("KERAS_BACKEND") == "jax":
@@ -95,10 +101,27 @@ def main():
     if OPTIONS.save_every:
         saver = kt.callbacks.PeriodicTrigger(saver, every_k_steps=OPTIONS.save_every)
     backup = [keras.callbacks.BackupAndRestore(OPTIONS.ckpt + "-backup")] if OPTIONS.backup else []
+    stateful, validation, outcome = [], None, {}
+    if OPTIONS.stateful:
+        # Half seen in training, half not: the validation loss falls, then rises.
+        validation = (np.concatenate([x[:12], rng.normal(size=(12, 6)).astype("float32")]),
+                      np.concatenate([y[:12], rng.integers(0, 3, 12).astype("int32")]))
+        stateful = [
+            keras.callbacks.EarlyStopping(patience=2, restore_best_weights=True),
+            keras.callbacks.ReduceLROnPlateau(patience=1, factor=0.5),
+            keras.callbacks.ModelCheckpoint(OPTIONS.ckpt + "-best.keras", save_best_only=True),
+        ]
     model.fit(x, y, batch_size=OPTIONS.batch, epochs=OPTIONS.epochs, shuffle=True, verbose=2,
-              callbacks=[*backup, resume, saver, Marks()])
+              validation_data=validation, callbacks=[*backup, resume, saver, *stateful, Marks()])
     print("resumed from", resume.restored_from, flush=True)
-    np.savez(OPTIONS.out, *model.get_weights(), step=np.asarray(model.optimizer.iterations))
+    if OPTIONS.stateful:
+        early, plateau, best = stateful
+        outcome = dict(best_epoch=early.best_epoch, stopped_epoch=early.stopped_epoch,
+                       early_best=early.best, plateau=(plateau.wait, plateau.best),
+                       checkpoint_best=best.best,
+                       learning_rate=np.asarray(model.optimizer.learning_rate))
+    np.savez(OPTIONS.out, *model.get_weights(), step=np.asarray(model.optimizer.iterations),
+             **outcome)
 
 
 if __name__ == "__main__":

@@ -37,13 +37,13 @@ def run_script(ckpt, out, *flags):
     return done
 
 
-def signal_at_step(tmp_path, ckpt, step, *flags, signum=signal.SIGTERM):
-    """Starts the script slowed down, sends `signum` once step `step` has
-    ended; returns (exit status, stdout)."""
+def signal_at_step(tmp_path, ckpt, step, *flags, signum=signal.SIGTERM, slow=0.4):
+    """Starts the script slowed down (`slow` seconds a step), sends `signum`
+    once step `step` has ended; returns (exit status, stdout)."""
     marks = tmp_path / f"marks-{ckpt.name}"
     marks.mkdir()
     process = subprocess.Popen(
-        [sys.executable, SCRIPT, str(ckpt), str(tmp_path / "unused.npz"), "--slow", "0.4",
+        [sys.executable, SCRIPT, str(ckpt), str(tmp_path / "unused.npz"), "--slow", str(slow),
          "--marks", str(marks), *flags],
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=_environment())
     deadline = time.time() + 240
@@ -92,6 +92,33 @@ def test_a_second_signal_during_the_save_is_ignored_and_the_checkpoint_is_intact
     kt.checkpoint.verify_checkpoint(kt.checkpoint.latest_checkpoint(str(ckpt)))
     run_script(ckpt, tmp_path / "b.npz", "--dropout")
     assert_bit_equal(uninterrupted, tmp_path / "b.npz", 36)
+
+
+@pytest.fixture(scope="module")
+def uninterrupted_stateful(tmp_path_factory):
+    """The run never interrupted, validated with EarlyStopping, ReduceLROnPlateau, ModelCheckpoint."""
+    folder = tmp_path_factory.mktemp("uninterrupted-stateful")
+    run_script(folder / "ckpt", folder / "a.npz", "--stateful", "--epochs", "12")
+    done = np.load(folder / "a.npz")
+    # The premise: EarlyStopping waits after its best epoch, and stops early.
+    assert 0 < int(done["best_epoch"]) < int(done["stopped_epoch"]) < 11, dict(done)
+    return folder / "a.npz"
+
+
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGKILL], ids=["SIGTERM", "SIGKILL"])
+def test_stateful_callbacks_resume_where_they_were_bit_equal(tmp_path, uninterrupted_stateful, signum):
+    """Stopped mid-epoch after the best epoch, while EarlyStopping waits (a
+    SIGTERM saves that step; a SIGKILL leaves the last epoch's checkpoint),
+    the resumed run stops at the same epoch with the same best weights,
+    learning rate and best values as the run never stopped."""
+    done = np.load(uninterrupted_stateful)
+    steps = int(done["step"])
+    ckpt = tmp_path / "ckpt"
+    status, output = signal_at_step(tmp_path, ckpt, (int(done["best_epoch"]) + 1) * 12 + 5,
+                                    "--stateful", "--epochs", "12", signum=signum, slow=0.1)
+    assert status == (75 if signum == signal.SIGTERM else -signal.SIGKILL), output[-3000:]
+    run_script(ckpt, tmp_path / "b.npz", "--stateful", "--epochs", "12")
+    assert_bit_equal(uninterrupted_stateful, tmp_path / "b.npz", steps)
 
 
 class SendSignal(keras.callbacks.Callback):

@@ -284,6 +284,15 @@ class StatMonitorParamSetter(HyperParamSetter):
         self.history.append(-value if self.reverse else value)
         self._set()
 
+    def get_resume_state(self):
+        """The stat's history and the epoch it last set the parameter in,
+        saved with the run's checkpoints (carried_state.py)."""
+        return {"history": list(self.history), "last_changed_epoch": self._last_changed_epoch}
+
+    def set_resume_state(self, state):
+        self.history = list(state["history"])
+        self._last_changed_epoch = state["last_changed_epoch"]
+
     def _value_to_set(self):
         if len(self.history) <= self.last_k:
             return None

@@ -27,6 +27,7 @@ from kerastower.checkpoint import restore as checkpoint_restore
 from kerastower.checkpoint import store as checkpoint
 from kerastower.checkpoint import files as checkpoint_files
 from kerastower.arguments import integer
+from kerastower.callbacks import carried_state
 from kerastower.callbacks.base import Callback
 from kerastower.callbacks.write_guard import write_errors
 from kerastower.errors import KerasTowerError
@@ -34,6 +35,16 @@ from kerastower.checkpoint.resume_state import ResumeState
 from kerastower.loop import preemption
 
 __all__ = ["ModelSaver", "MinSaver", "MaxSaver", "AutoResume"]
+
+
+def _run_state(callback):
+    """(the position of `callback`'s training run, as a checkpoint's state,
+    with its callbacks' states; the numpy arrays those hold)."""
+    state = ResumeState.of(callback.loop, callback.model.num_towers)
+    run, arrays = callback.training_run, {}
+    if run is not None and run.callbacks is not None:
+        state.callbacks, arrays = carried_state.states_of(run.callbacks)
+    return state.to_dict(), arrays
 
 
 class ModelSaver(Callback):
@@ -100,7 +111,14 @@ class ModelSaver(Callback):
         return found
 
     def _trigger(self):
-        state = ResumeState.of(self.loop, self.model.num_towers).to_dict()
+        # At an epoch's end, once every callback's hook has run.
+        if self.training_run is None:
+            self._write()
+        else:
+            self.training_run.when_callbacks_done(self._write)
+
+    def _write(self):
+        state, arrays = _run_state(self)
         now = self.clock()
         manifests = self._manifests()
         retentions = {path: (manifest or {}).get("retention", {}) for path, manifest in manifests}
@@ -115,7 +133,8 @@ class ModelSaver(Callback):
             "written_at": now,
         }
         try:
-            path = checkpoint.write_checkpoint(self.checkpoint_dir, self.model, state, retention)
+            path = checkpoint.write_checkpoint(self.checkpoint_dir, self.model, state, retention,
+                                               callback_arrays=arrays)
         except checkpoint.NonFiniteCheckpointError as error:
             warnings.warn(f"kerastower: ModelSaver: {error}", stacklevel=2)
             return
@@ -217,6 +236,13 @@ class _BestSaver(Callback):
                 f"TensorBoard, stats.json and {name} write), or give "
                 f"{name}(..., checkpoint_dir=...) a folder of its own."
             )
+
+    def get_resume_state(self):
+        """The best value seen, saved with the run's checkpoints (carried_state.py)."""
+        return {"best": self.best}
+
+    def set_resume_state(self, state):
+        self.best = state["best"]
 
     def _trigger(self):
         value = self.read_stat(self.logs, self.stat)
@@ -340,6 +366,7 @@ class AutoResume(Callback):
         self.save_on_signals = preemption.signal_numbers(save_on_signals, "AutoResume")
         self.exit_status = integer(exit_status, "exit_status", "AutoResume", minimum=0)
         self.restored_from = None
+        self.restored_arrays = {}  # the arrays of the restored callbacks' states
         # Runs on every process, so the chief's restored state reaches all.
         self.chief_only = False
 
@@ -368,13 +395,15 @@ class AutoResume(Callback):
             return None
         state = ResumeState.from_dict(values)
         self.restored_from = path
+        self.restored_arrays = checkpoint.read_callback_arrays(path)
         return state
 
     def save_on_preemption(self):
         """Writes and verifies a checkpoint of the loop's position now (after
         the step every process agreed to stop at); returns its path. Runs
         on the chief."""
-        state = ResumeState.of(self.loop, self.model.num_towers).to_dict()
-        path = checkpoint.write_checkpoint(self.checkpoint_dir, self.model, state)
+        state, arrays = _run_state(self)
+        path = checkpoint.write_checkpoint(self.checkpoint_dir, self.model, state,
+                                           callback_arrays=arrays)
         checkpoint.verify_checkpoint(path)
         return path

@@ -38,6 +38,9 @@ class ResumeState:
             `keras.utils.set_random_seed`), "seeded" (kerastower's own), or
             None (not shuffled arrays).
         time: when it was written (seconds since the epoch).
+        callbacks: the run's callbacks' states, by callback, as JSON
+            (kerastower/callbacks/carried_state.py; the numpy arrays they
+            hold are the checkpoint's `callback_arrays.npz`), or None.
     """
 
     epoch_num: int
@@ -51,6 +54,7 @@ class ResumeState:
     batch_size: int = None
     array_order: str = None
     time: float = 0.0
+    callbacks: dict = None
 
     @classmethod
     def of(cls, loop, num_towers):

@@ -24,6 +24,9 @@ __all__ = [
     "clean_up", "DamagedCheckpointError", "NonFiniteCheckpointError",
 ]
 
+# The numpy arrays the callbacks' states hold (EarlyStopping's best weights).
+CALLBACK_ARRAYS = "callback_arrays.npz"
+
 class NonFiniteCheckpointError(KerasTowerError):
     """The variables to checkpoint hold NaN or Inf; nothing was written.
 
@@ -162,11 +165,22 @@ def _state_text(state):
         ) from None
 
 
-def write_checkpoint(directory, model, state, retention=None):
+def read_callback_arrays(path):
+    """The numpy arrays of the callbacks' states in the checkpoint at `path`, by name."""
+    file = os.path.join(path, CALLBACK_ARRAYS)
+    if not os.path.exists(file):
+        return {}
+    with np.load(file, allow_pickle=False) as arrays:
+        return {name: arrays[name] for name in arrays.files}
+
+
+def write_checkpoint(directory, model, state, retention=None, callback_arrays=None):
     """Writes the variables of `model` and its optimizers, and `state` (a
     JSON-able dict with a `global_step`), as `ckpt-<global_step>`; returns
-    its path. `retention` (JSON-able) goes into the manifest. Raises
-    NonFiniteCheckpointError, writing nothing, when a variable holds NaN or Inf.
+    its path. `retention` (JSON-able) goes into the manifest;
+    `callback_arrays` (numpy arrays by name: those the callbacks' states in
+    `state` hold) go beside the variables. Raises NonFiniteCheckpointError,
+    writing nothing, when a variable holds NaN or Inf.
 
     `state` must hold `global_step`, `epoch_num` and `local_step` (the loop's
     position, which a resume reads); other JSON-able keys are kept.
@@ -193,6 +207,8 @@ def write_checkpoint(directory, model, state, retention=None):
         checkpoint_variables.write(folder, [key for key, _, _ in keyed], values)
         with open(os.path.join(folder, checkpoint_files.STATE), "w") as f:
             f.write(state_text)
+        if callback_arrays:
+            np.savez(os.path.join(folder, CALLBACK_ARRAYS), **callback_arrays)
 
     places = variable_places(model)
     fields = {

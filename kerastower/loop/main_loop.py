@@ -349,7 +349,8 @@ class MainLoop:
         hooks.epoch_end()
         loop.epoch_ended = True
         epoch_logs = iteration.epoch_logs(loop)
-        callbacks.on_epoch_end(epoch_num - 1, epoch_logs)
+        with self.training_run.callback_pass():
+            callbacks.on_epoch_end(epoch_num - 1, epoch_logs)
         return epoch_logs
 
     def _after_train(self, logs, failed=False):

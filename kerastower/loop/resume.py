@@ -25,6 +25,7 @@ import warnings
 import keras
 
 from kerastower import _compat
+from kerastower.callbacks import carried_state
 from kerastower.callbacks.base import unwrapped
 from kerastower.checkpoint import keys as checkpoint_keys
 from kerastower.checkpoint.folder_lock import FolderLock
@@ -51,6 +52,7 @@ class Resumption:
         self.name = run.name
         self.strategy = run.strategy
         self._watch = preemption.SignalWatch([])
+        self._callback_arrays = {}  # the arrays of the callbacks' restored states
 
     def release(self, locks):
         """Gives back the folders `lock_folders` took, however training ended."""
@@ -121,7 +123,18 @@ class Resumption:
             return None
         state = ResumeState.from_dict(state)
         self.loop.global_step = state.global_step
+        if state.callbacks:
+            resumer = self.resumer()
+            arrays = getattr(resumer, "restored_arrays", {}) if self.strategy.is_chief else None
+            self._callback_arrays = (arrays if self.strategy.single_process
+                                     else self.strategy.broadcast_object(arrays))
         return state
+
+    def _restore_callbacks(self, state):
+        """Gives the callbacks the states the checkpoint holds, after their
+        on_train_begin (which resets Keras's)."""
+        if state is not None and state.callbacks:
+            carried_state.restore_states(self.callbacks, state.callbacks, self._callback_arrays)
 
     def train_begin(self, state):
         """The callbacks' on_train_begin. After AutoResume restored a
@@ -133,6 +146,7 @@ class Resumption:
             cb for cb in held if isinstance(cb, keras.callbacks.BackupAndRestore)]
         if not losers:
             self.callbacks.on_train_begin()
+            self._restore_callbacks(state)
             return
         if self.strategy.is_chief:
             _compat.print_msg(
@@ -144,6 +158,7 @@ class Resumption:
             self.callbacks.on_train_begin()
         finally:
             self.callbacks.callbacks = held
+        self._restore_callbacks(state)
 
     def resumer(self):
         """The callback that restores and saves on preemption (AutoResume), or None."""

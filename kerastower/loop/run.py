@@ -70,6 +70,7 @@ class TrainingRun:
         self.engine = model.engine
         self.strategy = model.tower_strategy
         self.restored_from = None
+        self._deferred = None  # the writes asked for inside `callback_pass`, else None
 
     def watchers(self):
         """The callbacks that take the run (`set_training_run`), wrapped ones included."""
@@ -85,6 +86,28 @@ class TrainingRun:
         """Gives the run to every callback that takes it (the loop does, at start)."""
         for callback in self.watchers():
             callback.set_training_run(self)
+
+    @contextlib.contextmanager
+    def callback_pass(self):
+        """Around the callbacks' epoch-end hooks: a checkpoint asked for
+        inside (`when_callbacks_done`) is written once every callback's
+        hook has run, so that it holds what all of them did at that epoch's
+        end (ReduceLROnPlateau's new rate, EarlyStopping's count)."""
+        self._deferred = []
+        try:
+            yield
+            deferred = self._deferred
+        finally:
+            self._deferred = None
+        for write in deferred:
+            write()
+
+    def when_callbacks_done(self, write):
+        """Runs `write` after the callbacks' current `callback_pass`, or now outside one."""
+        if self._deferred is None:
+            write()
+        else:
+            self._deferred.append(write)
 
     @contextlib.contextmanager
     def training(self):
