@@ -48,8 +48,10 @@ def start_tensorflow():
 
 
 def install_kill_hook(spec):
-    """Wraps ModelSaver._trigger and the file-system calls a save makes, so
-    that the process SIGKILLs itself at the moment `spec` names."""
+    """Wraps ModelSaver._write (its save, which an epoch-end trigger runs
+    once every callback's on_epoch_end has) and the file-system calls a
+    save makes, so that the process SIGKILLs itself at the moment `spec`
+    names."""
     step, save, event = (int(part) for part in spec.split(":"))
     where = {"saves_at_step": 0, "events": 0, "armed": False}
 
@@ -65,18 +67,18 @@ def install_kill_hook(spec):
     for owner, name in ((os, "fsync"), (os, "rename"), (shutil, "rmtree"), (np, "savez")):
         setattr(owner, name, counted(getattr(owner, name)))
 
-    trigger = kt.callbacks.ModelSaver._trigger
+    write = kt.callbacks.ModelSaver._write
 
-    def hooked_trigger(self):
+    def hooked_write(self):
         if self.model.loop.global_step == step:
             where["saves_at_step"] += 1
             where["armed"] = where["saves_at_step"] == save
         try:
-            trigger(self)
+            write(self)
         finally:
             where["armed"] = False
 
-    kt.callbacks.ModelSaver._trigger = hooked_trigger
+    kt.callbacks.ModelSaver._write = hooked_write
 
 
 class Report(keras.callbacks.Callback):
