@@ -106,21 +106,142 @@ def _optimizers_entry(path):
     return "optimizers must map each optimizer's attribute to the keys"
 
 
+# Numbers of the right type, out of every run's reach or inconsistent with
+# one another (the fixture's newest state: epoch 2 ended, local_step 4 of
+# steps_per_epoch 4, global_step 8, one tower, tower_batches [4], one pass).
+def _a_billion_tower_batches(path):
+    _edit_state(path, tower_batches=[10**9])  # an endless pipeline would skip a billion
+    return "tower_batches [1000000000]"
+
+
+def _tower_batches_beyond_the_pass(path):
+    _edit_state(path, tower_batches=[5])
+    return "tower_batches [5]"
+
+
+def _tower_batches_of_steps_beyond_the_global_step(path):
+    _edit_state(path, one_pass=False, tower_batches=[8 * 65536 + 1])
+    return "tower_batches [524289]"
+
+
+def _tower_batches_of_another_number_of_towers(path):
+    _edit_state(path, tower_batches=[2, 2])
+    return "tower_batches holds 2 counts for num_towers=1"
+
+
+def _global_step_2_63(path):
+    _edit_state(path, global_step=2**63)
+    return "global_step 9223372036854775808"
+
+
+def _global_step_unlike_the_manifest(path):
+    _edit_state(path, global_step=9)
+    return "global_step 9 is not the manifest's 8"
+
+
+def _epoch_num_1e9(path):
+    _edit_state(path, epoch_num=10**9)
+    return "epoch_num 1000000000"
+
+
+def _epoch_num_0_after_steps(path):
+    _edit_state(path, epoch_num=0)
+    return "epoch_num 0"
+
+
+def _local_step_beyond_global_step(path):
+    _edit_state(path, local_step=9, steps_per_epoch=None, one_pass=True)
+    return "local_step 9 is more than global_step 8"
+
+
+def _local_step_beyond_the_epoch(path):
+    _edit_state(path, local_step=5)
+    return "local_step 5 is more than steps_per_epoch 4"
+
+
+def _a_million_towers(path):
+    _edit_state(path, num_towers=2**20, tower_batches=[])
+    return "num_towers 1048576"
+
+
+def _time_not_a_number(path):
+    _edit_state(path, time=float("nan"))
+    return "time nan"
+
+
 @pytest.mark.parametrize("forge", [
     _path_traversal, _files_as_a_list, _string_step, _negative_tower_batches, _object_array,
     _symlinked_file, _variables_entry, _optimizers_entry,
+    _a_billion_tower_batches, _tower_batches_beyond_the_pass,
+    _tower_batches_of_steps_beyond_the_global_step, _tower_batches_of_another_number_of_towers,
+    _global_step_2_63, _global_step_unlike_the_manifest, _epoch_num_1e9, _epoch_num_0_after_steps,
+    _local_step_beyond_global_step, _local_step_beyond_the_epoch, _a_million_towers,
+    _time_not_a_number,
 ], ids=lambda forge: forge.__name__.strip("_"))
 def test_a_forged_checkpoint_is_skipped_naming_the_field(two_checkpoints, forge):
     folder, model = two_checkpoints
     newest = kt.checkpoint.latest_checkpoint(folder)
     reason = forge(newest)
+    if getattr(forge, "found_by", "verify") == "verify":
+        with pytest.raises(kt.checkpoint.DamagedCheckpointError, match="cannot be used") as caught:
+            kt.checkpoint.verify_checkpoint(newest)
+        assert reason in caught.value.reason
     with pytest.raises(kt.checkpoint.DamagedCheckpointError, match="cannot be used") as caught:
-        kt.checkpoint.verify_checkpoint(newest)
+        kt.checkpoint.read_checkpoint(newest, model)
     assert reason in caught.value.reason
     with pytest.warns(UserWarning, match="skipping the checkpoint") as warned:
         path, state = kt.checkpoint.restore_latest(folder, model)
     assert path.endswith("ckpt-00000004") and state["global_step"] == 4
     assert any(reason in str(w.message) for w in warned)
+
+
+def test_the_states_runs_write_pass_the_checks():
+    """Legitimate positions, elastic moves included, are not refused."""
+    from kerastower.checkpoint.trust import state_problem
+    required = ("epoch_num", "local_step", "global_step")
+    fine = [
+        {"epoch_num": 1, "local_step": 7, "global_step": 7},           # write_checkpoint's doc
+        {"epoch_num": 0, "local_step": 0, "global_step": 0, "tower_batches": []},
+        {"epoch_num": 1001, "local_step": 3, "global_step": 3, "steps_per_epoch": 5,
+         "num_towers": 2, "tower_batches": [3, 3]},                     # fit(initial_epoch=1000)
+        # 4 towers resumed on 1 (an endless input): the position is carried in batches.
+        {"epoch_num": 2, "local_step": 1, "global_step": 11, "steps_per_epoch": 10,
+         "num_towers": 1, "tower_batches": [41], "one_pass": False},
+        # arrays: batch 64 resumed as batch 1 mid-pass, one pass: the step is the position.
+        {"epoch_num": 1, "local_step": 640, "global_step": 640, "steps_per_epoch": 1000,
+         "num_towers": 1, "tower_batches": [640], "one_pass": True, "batch_size": 1},
+        # the last step of a pass that did not fill every tower
+        {"epoch_num": 3, "local_step": 3, "global_step": 9, "steps_per_epoch": 3,
+         "num_towers": 2, "tower_batches": [3, 2], "one_pass": True, "epoch_ended": True},
+    ]
+    for state in fine:
+        assert state_problem(state, required) is None, state
+
+
+def test_a_forged_input_position_of_an_endless_input_is_skipped_not_skipped_through(tmp_path):
+    """The next launch after a state.json with a billion tower batches: the
+    checkpoint before it, at once, not a billion batches read and dropped."""
+    folder = str(tmp_path / "ckpt")
+
+    def endless():
+        while True:
+            yield np.ones((4, 3), "float32"), np.ones((4, 1), "float32")
+
+    def launch(epochs):
+        inputs = keras.Input((3,))
+        model = kt.TowerModel(inputs, keras.layers.Dense(1)(inputs))
+        model.compile(optimizer="sgd", loss="mse")
+        model.fit(endless(), steps_per_epoch=2, epochs=epochs, verbose=0, callbacks=[
+            kt.callbacks.ModelSaver(folder), kt.callbacks.AutoResume(folder)])
+        return model
+
+    launch(2)
+    newest = kt.checkpoint.latest_checkpoint(folder)
+    assert newest.endswith("ckpt-00000004")
+    _edit_state(newest, tower_batches=[10**9])
+    with pytest.warns(UserWarning, match=r"skipping the checkpoint .*ckpt-00000004: .*tower_batches"):
+        model = launch(3)
+    assert model.loop.global_step == 6   # from step 2 (epoch 1's end): epochs 2 and 3
 
 
 def _fit_with(*callbacks):

@@ -235,6 +235,34 @@ def test_a_garbled_lock_file_is_taken_over_with_a_warning(tmp_path):
     assert os.listdir(folder) == []
 
 
+@pytest.mark.parametrize("pid", [2**40, 2**63, 0, -5, True, 1.5, "42"])
+def test_a_lock_whose_pid_is_no_process_id_is_taken_over_with_a_warning(tmp_path, pid):
+    """A forged or garbled pid (beyond what os.kill takes, below 1, not an
+    integer) is a garbage lock: taken over with a warning, never a raw error."""
+    folder = str(tmp_path)
+    path = write_lock(folder, pid=pid) and os.path.join(folder, LOCK_NAME)
+    old = time.time() - 3600
+    os.utime(path, (old, old))
+    with pytest.warns(UserWarning, match="Taking over the folder") as warned:
+        lock = FolderLock(folder).acquire()
+    message = str(warned[0].message)
+    assert "not a process id" in message or "unreadable" in message, message
+    if isinstance(pid, int) and not isinstance(pid, bool):
+        assert f"{pid} is not a process id" in message
+    assert lock_record(folder)["pid"] == os.getpid()
+    lock.release()
+
+
+def test_a_lock_whose_process_start_is_no_count_is_garbage(tmp_path):
+    folder = str(tmp_path)
+    write_lock(folder, pid=os.getppid(), process_start="yesterday")
+    path = os.path.join(folder, LOCK_NAME)
+    old = time.time() - 3600
+    os.utime(path, (old, old))
+    with pytest.warns(UserWarning, match="Taking over the folder .*unreadable"):
+        FolderLock(folder).acquire().release()
+
+
 def test_a_lock_file_being_written_is_waited_on_not_taken_over(tmp_path):
     """Between another run's O_EXCL create and its write the file is
     empty: that run is alive and gets the folder."""

@@ -60,7 +60,8 @@ def test_a_python_generator_exception_names_the_step_and_is_the_cause():
     # Batch 2 (0-based; examples 8 to 11) is step 3's on one tower.
     with pytest.raises(StepFailedError, match=r"^Training step 3 failed on tower 0: the generator of "
                                               r"The input \(generator\) raised BadRecord: record 8 is "
-                                              r"corrupt \(making batch 3 of this pass") as caught:
+                                              r"corrupt \(making batch 2 of the pass, counted from 0: "
+                                              r"tower 0's batch of step 3 of the pass") as caught:
         model.fit(_batches(raise_at=2), epochs=1, verbose=0)
     assert isinstance(caught.value.__cause__, BadRecord)
     assert model.loop.global_step == 2

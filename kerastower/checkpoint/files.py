@@ -34,6 +34,7 @@ import tempfile
 from kerastower.checkpoint.trust import manifest_problem
 from kerastower.checkpoint.trust import npz_problem
 from kerastower.checkpoint.trust import state_problem
+from kerastower.checkpoint.trust import state_manifest_problem
 from kerastower.errors import KerasTowerError
 
 __all__ = [
@@ -301,7 +302,7 @@ def verify(path):
         raise DamagedCheckpointError(
             path, f"unreadable {STATE} ({type(error).__name__}: {error})"
         ) from None
-    problem = state_problem(state, REQUIRED_STATE)
+    problem = state_problem(state, REQUIRED_STATE) or state_manifest_problem(state, manifest)
     if problem:
         raise DamagedCheckpointError(path, f"unreadable {STATE}: {problem}")
     bad = [v for v in manifest.get("variables", []) if not v.get("finite", True)]

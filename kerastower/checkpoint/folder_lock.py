@@ -29,7 +29,9 @@ zombie, or now belongs to another process (its /proc start time differs
 from `process_start`, the pid was reused); or when the file is not a lock
 at all (garbled JSON: a run killed while writing it; a garbled file younger
 than `GARBLED_GRACE_S` is waited on, since its writer may be writing it
-right now). A lock of a live process on this host, or of any process on
+right now; a pid or process_start that is not an integer is garbled too),
+or holds a pid outside this host's range (1 to /proc/sys/kernel/pid_max:
+forged or garbled, never an OverflowError from os.kill). A lock of a live process on this host, or of any process on
 another host (which cannot be checked from here), is never taken over.
 
 Example:
@@ -290,9 +292,22 @@ def _read(path):
     except ValueError:
         return raw, None, age
     if not (isinstance(record, dict) and isinstance(record.get("host"), str)
-            and isinstance(record.get("pid"), int) and not isinstance(record["pid"], bool)):
+            and isinstance(record.get("pid"), int) and not isinstance(record["pid"], bool)
+            and (record.get("process_start") is None or (
+                isinstance(record["process_start"], int)
+                and not isinstance(record["process_start"], bool)))):
         return raw, None, age
     return raw, record, age
+
+
+def _pid_max():
+    """The largest process id this host gives: /proc/sys/kernel/pid_max
+    where there is one, else 2**22 (Linux's largest)."""
+    try:
+        with open("/proc/sys/kernel/pid_max") as f:
+            return int(f.read().strip())
+    except (OSError, ValueError):
+        return 2**22
 
 
 def _stat_fields(pid):
@@ -326,12 +341,17 @@ def _why_stale(record):
     """Why the lock `record` of a process on this host is stale, in words,
     or None if that process still runs."""
     pid = record["pid"]
-    if pid <= 0:
-        return f"{pid} is not a process id"
+    largest = _pid_max()
+    if not 1 <= pid <= largest:
+        # Forged or garbled: os.kill would take 0 and -n for process
+        # groups, and raise OverflowError beyond a C int.
+        return f"{pid} is not a process id (this host's are 1 to {largest})"
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
         return "that process no longer runs"
+    except OverflowError:
+        return f"{pid} is not a process id"
     except PermissionError:
         pass  # it runs, as another user
     fields = _stat_fields(pid)

@@ -20,6 +20,7 @@ from kerastower.checkpoint.keys import keyed_variables
 from kerastower.checkpoint.places import variable_places
 from kerastower.checkpoint.store import all_finite
 from kerastower.checkpoint.store import sync
+from kerastower.checkpoint.trust import state_manifest_problem
 from kerastower.errors import KerasTowerError
 
 __all__ = [
@@ -231,6 +232,9 @@ def read_checkpoint(path, model, allow_partial=False):
     manifest = checkpoint_files.verify(path)
     with open(os.path.join(path, checkpoint_files.STATE)) as f:
         state = json.load(f)
+    problem = state_manifest_problem(state, manifest)
+    if problem:
+        raise DamagedCheckpointError(path, f"{checkpoint_files.STATE}: {problem}")
     build_optimizers(model, manifest.get("optimizers"), model.tower_strategy.scope)
     keyed, places = keyed_variables(model), variable_places(model)
     restorable, missing, unexpected, reshaped = _match(manifest, keyed)

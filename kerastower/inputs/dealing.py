@@ -32,7 +32,9 @@ from kerastower.errors import DataMismatchError
 from kerastower.errors import InputSourceError
 from kerastower.inputs import ragged_sparse
 
-__all__ = ["standardized", "one_step", "numbered_steps", "joined", "deal", "TowerDealer"]
+__all__ = ["standardized", "one_step", "numbered_steps", "failed_batch",
+           "mark_failed_batch", "batch_words", "joined", "deal",
+           "TowerDealer"]
 
 
 def _as_array(leaf, number):
@@ -131,12 +133,59 @@ class _Step(list):
     num_towers = None
 
 
+_BATCH = "_kerastower_failed_batch"
+
+
+def failed_batch(error):
+    """(batch number in the pass, towers, the source's own index of it or
+    None) of the batch whose reading raised `error`, as `numbered_steps`
+    marked it, or None: tower k of step s (both counted from 0 in the pass)
+    takes batch `s * towers + k`; a shuffled PyDataset's batch of another
+    index."""
+    return getattr(error, _BATCH, None)
+
+
+def batch_words(batch):
+    """`failed_batch`'s (number, towers, index) in words."""
+    number, towers, index = batch
+    return (f"making batch {number} of the pass, counted from 0"
+            + ("" if index is None else f" (the source's index {index}: fit's shuffle)")
+            + f": tower {number % towers}'s batch of step {number // towers + 1} of the pass, "
+            f"on {towers} tower(s)")
+
+
+def mark_failed_batch(error, number, num_towers=None, index=None):
+    """Marks `error` as raised making batch `number` of the pass (on
+    `num_towers` towers, where known; `index`: the source's own index of
+    that batch, where it differs); see `failed_batch`."""
+    try:
+        setattr(error, _BATCH, (number, num_towers, index))
+    except AttributeError:  # an exception type that holds no attributes
+        pass
+
+
 def numbered_steps(items, num_towers, first_number=0):
     """Steps of up to `num_towers` consecutive items, each a list of
-    (batch number, item), taking no item before its step is asked for."""
+    (batch number, item), taking no item before its step is asked for.
+
+    An exception the source raises making an item is marked with that
+    item's number (`failed_batch`): a step's items are read in one go, so
+    the tower that asked first is not always the one whose batch failed."""
     items = iter(items)
     for number in itertools.count(first_number, num_towers):
-        step = _Step(zip(itertools.count(number), itertools.islice(items, num_towers)))
+        step = _Step()
+        for index in range(number, number + num_towers):
+            try:
+                item = next(items)
+            except StopIteration:
+                break
+            except Exception as error:  # the source's own: marked, then raised on
+                # A source that reads ahead (a PyDataset's reader) marked
+                # the batch it made itself (`mark_failed_batch`).
+                marked = failed_batch(error) or (index, None, None)
+                mark_failed_batch(error, marked[0], num_towers, marked[2])
+                raise
+            step.append((index, item))
         if not step:
             return
         step.num_towers = num_towers

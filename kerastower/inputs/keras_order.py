@@ -70,7 +70,9 @@ class KerasPassOrder:
         self._lock = threading.Lock()
 
     def _read(self):
-        return np.concatenate([np.asarray(batch) for batch in self._batches]).astype(np.int64)
+        # No batch (arrays of 0 examples): an empty order, for fit to warn that it trained nothing.
+        return np.concatenate([np.asarray(batch) for batch in self._batches]
+                              or [np.zeros(0, np.int64)]).astype(np.int64)
 
     def as_the_chiefs(self, strategy):
         """This order made the chief's on every process of `strategy` (a

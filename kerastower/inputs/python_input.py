@@ -36,6 +36,7 @@ from kerastower.errors import DataMismatchError
 from kerastower.inputs import python_feed
 from kerastower.inputs import python_sources
 from kerastower.inputs.dealing import TowerDealer
+from kerastower.inputs.dealing import failed_batch
 from kerastower.inputs.dealing import standardized
 from kerastower.inputs.sources import InputSource
 
@@ -157,7 +158,12 @@ class PythonSourceInput(InputSource):
         failures = step_errors.feeding_failures()
 
         def record(error, good):
-            failures.record_generator_error(error, name, good, tower)
+            # The batch the source failed making, where dealing marked it:
+            # its tower, not the one whose pipeline asked first.
+            batch = failed_batch(error)
+            if batch is not None and batch[1] != total:
+                batch = None  # one pipeline a strategy deals out: its numbers are not the towers'
+            failures.record_generator_error(error, name, good, tower, batch)
 
         dataset = python_feed.feed_dataset(make_items, self.signature(), 0, name, record, self._feeds)
         options = tf.data.Options()

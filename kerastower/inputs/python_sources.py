@@ -48,6 +48,7 @@ from kerastower import _compat
 from kerastower.errors import InputSourceError
 from kerastower.inputs import keras_order
 from kerastower.inputs.dealing import joined
+from kerastower.inputs.dealing import mark_failed_batch
 from kerastower.inputs.dealing import numbered_steps
 from kerastower.inputs.dealing import standardized
 # Dealt here before dealing.py held them: still importable from this path.
@@ -236,7 +237,14 @@ class _PassOfDataset(keras.utils.PyDataset):
 
     def __getitem__(self, position):
         position += self._skip
-        return self._source._dataset[position if self._order is None else self._order[position]]
+        index = position if self._order is None else self._order[position]
+        try:
+            return self._source._dataset[index]
+        except Exception as error:
+            # Keras's reader reads ahead: the batch's number in the pass,
+            # for the error to name its tower (dealing.failed_batch).
+            mark_failed_batch(error, position, index=None if index == position else index)
+            raise
 
     def on_epoch_end(self):
         if self.complete:

@@ -5,6 +5,8 @@ to `steps_per_execution` steps per call on the per-tower input, keeps the
 input position, and adds validation to the epoch's logs.
 """
 
+import warnings
+
 import keras
 
 from kerastower import _compat
@@ -100,6 +102,8 @@ class FitSteps(Iteration):
         self.feed.start(skip_batches, epoch_num)
 
     def before_epoch(self, loop):
+        if not self.steps_per_epoch and loop.steps_per_epoch == 0:
+            self._warn_no_batch()
         self.model.reset_metrics()
         self.loop = loop
         self.feed.begin_pass(loop)
@@ -159,6 +163,24 @@ class FitSteps(Iteration):
         self.logs, self.final_logs = run.logs, run.final_logs
         self.failure = (loop.global_step + 1, run.nonfinite_towers)
         return True
+
+    _warned_no_batch = False
+
+    def _warn_no_batch(self):
+        """An epoch of one pass over an input of known length 0 (numpy
+        arrays of no example, a tf.data.Dataset of no batch): stock Keras
+        returns an empty history; so does fit here, saying so once. (An
+        input found empty while read raises InputSourceError.)"""
+        if self._warned_no_batch:
+            return
+        self._warned_no_batch = True
+        kind = type(getattr(self.source, "dataset", None) or self.source).__name__
+        warnings.warn(
+            f"kerastower: fit trained nothing: the input gave no batch (its length is 0; "
+            f"source {kind}). Check that x holds examples, that a tf.data.Dataset was not "
+            "filtered or batched (drop_remainder=True with fewer examples than the batch "
+            "size) to nothing, and that a PyDataset's __len__ is not 0. The weights are "
+            "unchanged.", stacklevel=2)
 
     def ended_early(self, loop, step):
         if self.failure is not None:

@@ -19,6 +19,10 @@ import numpy as np
 from kerastower.backend.engine import Feed
 from kerastower.backend.engine import StepRun
 from kerastower.backend.jax import step as jax_step
+from kerastower.errors import KerasTowerError
+from kerastower.errors import StepFailedError
+from kerastower.inputs.dealing import batch_words
+from kerastower.inputs.dealing import failed_batch
 
 __all__ = ["FitFeed"]
 
@@ -27,6 +31,30 @@ def _shapes(step):
     # JAX's leaves: a sparse batch's shape is its entries' too.
     return [[np.shape(leaf) for leaf in jax.tree.leaves(batch)] for batch in step]
 
+
+def _naming_failures(steps, source):
+    """The steps of `steps`, where an exception the input raised making a
+    batch (marked by `dealing.numbered_steps`: generators, iterables,
+    PyDatasets) becomes a StepFailedError naming its tower and its batch
+    of the pass, as on TensorFlow (backend/tensorflow/step_errors.py),
+    chained to the user's exception."""
+    iterator = iter(steps)
+    while True:
+        try:
+            step = next(iterator)
+        except StopIteration:
+            return
+        except Exception as error:
+            batch = failed_batch(error)
+            if batch is None or not batch[1] or isinstance(error, KerasTowerError):
+                raise
+            kind = getattr(source, "kind", type(source).__name__)
+            raise StepFailedError(
+                f"Training failed on tower {batch[0] % batch[1]}: the input ({kind}) raised "
+                f"{type(error).__name__}: {error} ({batch_words(batch)}). Fix the input; the "
+                "exception is this error's cause."
+            ) from error
+        yield step
 
 
 class FitFeed(Feed):
@@ -63,7 +91,8 @@ class FitFeed(Feed):
         skip = max(skip_batches) if skip_batches else 0
         self.resumed_pass = None
         if self.endless:
-            self.iterator = iter(self.engine.place(self.source, skip_batches=skip_batches))
+            self.iterator = _naming_failures(
+                self.engine.place(self.source, skip_batches=skip_batches), self.source)
         elif skip:
             self.resumed_pass = list(skip_batches)
 
@@ -77,7 +106,8 @@ class FitFeed(Feed):
         if self.resumed_pass is not None:
             loop.tower_batches, self.resumed_pass = self.resumed_pass, None
             skip = max(loop.tower_batches)
-        self.iterator = iter(self.engine.place(self.source, loop.epoch_num - 1, [skip]))
+        self.iterator = _naming_failures(
+            self.engine.place(self.source, loop.epoch_num - 1, [skip]), self.source)
 
     def run(self, num_steps, loop):
         """Up to `num_steps` steps (`steps_per_execution`), in as few jitted

@@ -20,6 +20,7 @@ import re
 import threading
 
 from kerastower.errors import StepFailedError
+from kerastower.inputs.dealing import batch_words
 
 __all__ = ["GeneratorError", "StepFailures", "feeding_failures", "explain"]
 
@@ -32,6 +33,7 @@ class GeneratorError:
     source_name: str
     items_yielded: int   # items the generator gave in this pass before it raised
     tower: int           # the tower the next batch was for
+    batch: tuple = None  # (number in the pass, towers, source index) where known (dealing.failed_batch)
 
 
 @dataclasses.dataclass
@@ -52,11 +54,17 @@ class StepFailures:
     batch_errors: dict = dataclasses.field(default_factory=dict)  # tower: (DataMismatchError, cause)
     lock: threading.Lock = dataclasses.field(default_factory=threading.Lock, repr=False, compare=False)
 
-    def record_generator_error(self, error, source_name, items_yielded, tower):
+    def record_generator_error(self, error, source_name, items_yielded, tower, batch=None):
         """Called when a feed's generator raises, with the tower the next
-        batch was for: remembers the exception for `explain`."""
+        batch was for, and where known the batch that failed, (number in
+        the pass, towers): remembers the exception for `explain`."""
+        if batch is not None and batch[1]:
+            tower = batch[0] % batch[1]
+        else:
+            batch = None
         with self.lock:
-            self.generator_errors.append(GeneratorError(error, source_name, items_yielded, tower))
+            self.generator_errors.append(
+                GeneratorError(error, source_name, items_yielded, tower, batch))
 
     def take_generator_error(self):
         """The first GeneratorError recorded (or None); forgets them all."""
@@ -147,10 +155,13 @@ def explain(error, what, failures=None):
     recorded = failures.take_generator_error() if failures is not None else None
     if recorded is not None:
         cause = recorded.error
+        if recorded.batch is not None:
+            which = batch_words(recorded.batch)
+        else:
+            which = f"making batch {recorded.items_yielded + 1} of this pass, for that tower"
         return _chained(StepFailedError(
             f"{what} failed on tower {recorded.tower}: the generator of {recorded.source_name} raised "
-            f"{type(cause).__name__}: {cause} (making batch {recorded.items_yielded + 1} of this "
-            "pass, for that tower). Fix the generator; the exception is this "
+            f"{type(cause).__name__}: {cause} ({which}). Fix the generator; the exception is this "
             "error's cause."
         ), cause)
     roots = _root_errors(error.message)
