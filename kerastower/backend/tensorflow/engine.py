@@ -10,6 +10,7 @@ TowerContext.
 import contextlib
 import weakref
 
+import keras
 import numpy as np
 import tensorflow as tf
 
@@ -260,23 +261,30 @@ class TensorFlowEngine(StepEngine):
 
 
 def _check_gradient_accumulation(model):
-    """Keras's TensorFlow optimizer applies accumulated gradients inside a
-    `tf.cond`, and a tf.distribute strategy cannot reduce over the
-    replicas from there (stock Keras under MirroredStrategy fails the
-    same way, with a `merge_call` RuntimeError): said before the step is
-    traced."""
-    steps = getattr(model.optimizer, "gradient_accumulation_steps", None)
-    tf_strategy = getattr(model.tower_strategy, "tf_strategy", None)
-    mirrored = (tf.distribute.MirroredStrategy, tf.distribute.MultiWorkerMirroredStrategy)
-    if not steps or not isinstance(tf_strategy, mirrored):
+    """Gradient accumulation is exact under MirroredStrategy, where
+    kerastower takes Keras's accumulate-or-apply choice in the cross-replica
+    context (`_compat.accumulate_or_apply`); what is not tested (multi-worker,
+    Horovod, a LossScaleOptimizer) is refused before the step is traced."""
+    steps = _compat.accumulation_steps(model.optimizer)
+    if not steps:
+        return
+    strategy = model.tower_strategy
+    tf_strategy = getattr(strategy, "tf_strategy", None)
+    untested = None
+    if isinstance(tf_strategy, tf.distribute.MultiWorkerMirroredStrategy):
+        untested = "multi-worker training"
+    elif getattr(strategy, "name", None) == "horovod":
+        untested = "Horovod"
+    elif isinstance(model.optimizer, keras.optimizers.LossScaleOptimizer):
+        untested = "a LossScaleOptimizer (mixed precision)"
+    if untested is None:
         return
     raise StrategyError(
-        f"fit: the optimizer has gradient_accumulation_steps={steps}, and on TensorFlow "
-        f"Keras applies accumulated gradients inside a tf.cond that a "
-        f"{type(tf_strategy).__name__} cannot reduce from (stock Keras fails there "
-        "too). Train with a larger batch per tower instead (towers x per-tower batch "
-        "is the step's batch), or on JAX (KERAS_BACKEND=jax), where kerastower "
-        "runs gradient accumulation on any number of towers.")
+        f"fit: the optimizer has gradient_accumulation_steps={steps}, which kerastower "
+        f"runs exactly (as one device on the k x towers x batch joined examples) on "
+        f'kt.distributed("mirrored") and on JAX, but has not tested with {untested} on '
+        "TensorFlow. Train with a larger batch per tower instead (towers x per-tower "
+        "batch is the step's batch), or on mirrored towers or JAX.")
 
 
 def _check_ends(source, method, argument=None):

@@ -195,6 +195,17 @@ def apply_in_tower(optimizer, keras_apply, gradients, variables=None):
     reduced = [_duplicates_summed(g) for g, _ in pairs]
     variables = [v for _, v in pairs]
     with _compat.gradients_already_reduced():
+        if _compat.accumulation_steps(optimizer) and not isinstance(
+                optimizer, keras.optimizers.LossScaleOptimizer):  # fit refuses that one
+            # Keras's accumulation, its k-th step taken where the strategy
+            # can update (the towers' gradients are one already: k steps
+            # of N x B examples accumulate the mean over k x N x B).
+            finite = nonfinite.all_finite(reduced) if ctx.check_finite else None
+            if finite is not None:
+                nonfinite.record(ctx, finite, weighted)
+            _compat.accumulate_or_apply(optimizer, lambda grads: keras_apply(optimizer, grads, variables),
+                                        reduced, variables, finite)
+            return
         if isinstance(optimizer, keras.optimizers.LossScaleOptimizer) or not ctx.check_finite:
             # It skips a non-finite step itself and lowers its scale (or the
             # user compiled with check_finite=False).
