@@ -177,6 +177,7 @@ REVIEWED_MODULE_STATE = {
     ("kerastower.strategies.switch", "_REGISTRY"),
     ("kerastower.strategies.switch", "_warned_stock_models"),  # weak: models die with their users
     ("kerastower.backend.tensorflow.xla", "_warned"),
+    ("kerastower.loss_reductions", "_warned"),  # weak: the models warned about an unseen reduction
     ("kerastower.functional", "_FUNCTIONAL_TWINS"),
     # A cache keyed weakly by the iterator it binds: dropped with it.
     ("kerastower.backend.tensorflow.step_calls", "_bound_calls"),
