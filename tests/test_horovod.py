@@ -21,11 +21,17 @@ pytestmark = pytest.mark.skipif(
 )
 
 
-def _horovodrun(out, scenario, timeout=300):
+def _horovodrun(out, scenario, timeout=300, ranks=2, launcher=False):
+    """Runs the script's `scenario` under horovodrun on `ranks` local ranks,
+    through `python -m kerastower.launch` when `launcher`."""
+    wrap = [sys.executable, "-m", "kerastower.launch"] if launcher else []
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     return subprocess.run(
-        ["horovodrun", "-np", "2", "-H", "localhost:2", "--gloo",
+        [*wrap, "horovodrun", "-np", str(ranks), "-H", f"localhost:{ranks}", "--gloo",
          sys.executable, SCRIPT, str(out), scenario],
         capture_output=True, text=True, timeout=timeout,
+        env=dict(os.environ, PYTHONPATH=os.pathsep.join(
+            filter(None, [root, os.environ.get("PYTHONPATH")]))),
     )
 
 
@@ -163,11 +169,38 @@ def test_sigterm_to_one_rank_stops_both_at_one_step_and_resume_is_bit_equal(tmp_
     import horovod_script as script
 
     def launch(phase):
-        result = _horovodrun(tmp_path, phase)
+        result = _horovodrun(tmp_path, phase, launcher=True)
         if phase == "resume":
             assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-2000:]
         else:
-            assert result.returncode != 0 and "Exiting with status 75" in result.stdout, (
+            assert result.returncode == 75 and "Exiting with status 75" in result.stdout, (
                 result.stdout[-4000:] + result.stderr[-2000:])
 
     script.assert_preempted_then_resumed_bit_equal(tmp_path, launch)
+
+
+def test_a_preempted_run_of_4_ranks_ends_with_75_through_the_launcher(tmp_path):
+    """horovodrun alone exits with 1 when a rank exits with 75 (it stops the
+    others); `python -m kerastower.launch horovodrun ...` exits with 75.
+    Rank 1 of 4 gets SIGTERM after global step 5: every rank stops there,
+    the chief's checkpoint of step 5 verifies."""
+    import horovod_script as script
+
+    start = time.time()
+    result = _horovodrun(tmp_path, "preempt", ranks=4, launcher=True)
+    seconds = time.time() - start
+    output = result.stdout + result.stderr
+    assert result.returncode == 75, output[-5000:]
+    assert "Exiting with status 75: run the same command again" in result.stdout, output[-5000:]
+    assert "process(es) of the run ended on a preemption" in result.stderr, output[-5000:]
+    assert "horovodrun ended with status 1. Exiting with status 75" in result.stderr
+    saved = kt.checkpoint.latest_checkpoint(str(tmp_path / "ckpt_preempted"))
+    assert saved.endswith(f"ckpt-{script.PREEMPTED_AT:08d}"), saved
+    assert kt.checkpoint.verify_checkpoint(saved)["global_step"] == script.PREEMPTED_AT
+    stops = []
+    for rank in range(4):
+        with open(tmp_path / f"preempt_{rank}.json") as f:
+            stops.append(json.load(f))
+    assert [s["step"] for s in stops] == [script.PREEMPTED_AT] * 4, stops
+    assert all(s["checkpoint"] == saved for s in stops), stops
+    print(f"4 ranks preempted through the launcher in {seconds:.1f} s")

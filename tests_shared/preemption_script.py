@@ -9,6 +9,11 @@ epoch one pass. --slow sleeps S seconds after every step and --marks writes
 a file `step-<global step>` there after every step, so that a test can
 signal the run mid-epoch; --signal-during-save makes the process send
 itself a second SIGTERM while its preemption checkpoint is being written;
+--hang-at K makes the step after global step K hang for 10 minutes inside
+the compiled step (a tf.py_function or a jax.pure_callback that sleeps, so
+the main thread waits in C++ code, where Python runs no signal handler) and
+leaves a file `hanging` in --marks once it sleeps; --grace S is
+AutoResume's step_grace_s;
 --backup adds Keras's BackupAndRestore (epoch-end backups) beside AutoResume;
 --stateful validates every epoch (on labels unlike the training ones, so
 that the validation loss soon rises) with EarlyStopping(restore_best_weights),
@@ -36,6 +41,8 @@ ARGS.add_argument("--signal-during-save", action="store_true")
 ARGS.add_argument("--dropout", action="store_true")
 ARGS.add_argument("--strict", action="store_true")
 ARGS.add_argument("--save-every", type=int, default=0)
+ARGS.add_argument("--hang-at", type=int, help="hang the step after this global step")
+ARGS.add_argument("--grace", type=float, help="AutoResume's step_grace_s")
 ARGS.add_argument("--backup", action="store_true", help="add keras.callbacks.BackupAndRestore")
 ARGS.add_argument("--stateful", action="store_true",
                   help="validate, with EarlyStopping, ReduceLROnPlateau, ModelCheckpoint")
@@ -64,8 +71,39 @@ def devices(n):
     return [f"/cpu:{i}" for i in range(n)]
 
 
+HANG = [False]  # set before the step that hangs
+
+
+def _maybe_hang(*_):
+    if HANG[0]:
+        HANG[0] = False  # one tower hangs; that is enough
+        open(os.path.join(OPTIONS.marks, "hanging"), "w").close()
+        time.sleep(600)
+    return np.float32(0.0)
+
+
+class Hang(keras.layers.Layer):
+    """Hangs the step (in C++ code's callback thread) once HANG is set."""
+
+    def call(self, x):
+        if keras.backend.backend() == "jax":
+            import jax
+
+            # Its result is used: the step's outputs wait for it.
+            waited = jax.pure_callback(_maybe_hang, jax.ShapeDtypeStruct((), "float32"))
+            return x + jax.lax.stop_gradient(waited)
+        import tensorflow as tf
+
+        waited = tf.reshape(tf.py_function(_maybe_hang, [], tf.float32), [])
+        return x + tf.stop_gradient(waited)
+
+
 class Marks(keras.callbacks.Callback):
     """Sleeps after every step and leaves a file saying which step ended."""
+
+    def on_train_batch_begin(self, batch, logs=None):
+        if OPTIONS.hang_at is not None and self.model.loop.global_step == OPTIONS.hang_at:
+            HANG[0] = True
 
     def on_train_batch_end(self, batch, logs=None):
         if OPTIONS.marks:
@@ -93,10 +131,13 @@ def main():
         h = keras.layers.Dense(16, activation="relu")(inputs)
         if OPTIONS.dropout:
             h = keras.layers.Dropout(0.25)(h)
+        if OPTIONS.hang_at is not None:
+            h = Hang()(h)
         model = kt.TowerModel(inputs, keras.layers.Dense(3)(h))
         model.compile(optimizer=keras.optimizers.Adam(0.01),
                       loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
-    resume = kt.callbacks.AutoResume(OPTIONS.ckpt, strict=OPTIONS.strict)
+    grace = {} if OPTIONS.grace is None else {"step_grace_s": OPTIONS.grace}
+    resume = kt.callbacks.AutoResume(OPTIONS.ckpt, strict=OPTIONS.strict, **grace)
     saver = kt.callbacks.ModelSaver(OPTIONS.ckpt)
     if OPTIONS.save_every:
         saver = kt.callbacks.PeriodicTrigger(saver, every_k_steps=OPTIONS.save_every)

@@ -94,6 +94,87 @@ def test_a_second_signal_during_the_save_is_ignored_and_the_checkpoint_is_intact
     assert_bit_equal(uninterrupted, tmp_path / "b.npz", 36)
 
 
+def _start_hung(tmp_path, ckpt, grace):
+    """Starts the script (a checkpoint every 2 steps) whose step after global
+    step 5 hangs inside the compiled step; returns (process, marks) once it hangs."""
+    marks = tmp_path / "marks"
+    marks.mkdir()
+    process = subprocess.Popen(
+        [sys.executable, SCRIPT, str(ckpt), str(tmp_path / "unused.npz"), "--marks", str(marks),
+         "--save-every", "2", "--hang-at", "5", "--grace", str(grace)],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=_environment())
+    deadline = time.time() + 240
+    while not (marks / "hanging").exists():
+        assert process.poll() is None and time.time() < deadline, process.communicate()[0][-3000:]
+        time.sleep(0.05)
+    # JAX dispatches a step ahead: the loop may finish one more before it waits.
+    seen, still = set(os.listdir(marks)), time.time()
+    while time.time() - still < 1.0:
+        time.sleep(0.1)
+        if set(os.listdir(marks)) != seen:
+            seen, still = set(os.listdir(marks)), time.time()
+    return process
+
+
+def _ended(process, within):
+    """(status, output, seconds) of a process that must end within `within` s."""
+    start = time.time()
+    try:
+        output, _ = process.communicate(timeout=within)
+    except subprocess.TimeoutExpired:
+        process.kill()
+        output, _ = process.communicate()
+        raise AssertionError(f"still running {within} s later:\n{output[-3000:]}") from None
+    return process.returncode, output, time.time() - start
+
+
+def _assert_ended_on_the_last_checkpoint(ckpt, status, output):
+    """Ended with 75 and the message, without a save: the newest checkpoint
+    is the last every-2-steps one, it verifies, and the message names it."""
+    import re
+
+    assert status == 75, output[-3000:]
+    assert "Exiting at once with status 75" in output, output[-3000:]
+    # TensorFlow's loop waits in the step after 5; JAX's (a step dispatched
+    # ahead) may have finished one more.
+    stopped = int(re.search(r"training was interrupted after global step (\d+) \(epoch 1\)",
+                            output).group(1))
+    assert stopped == 5 or BACKEND == "jax" and stopped in (6, 7), output[-3000:]
+    newest = kt.checkpoint.latest_checkpoint(str(ckpt))
+    step = kt.checkpoint.verify_checkpoint(newest)["global_step"]
+    assert newest == str(ckpt / f"ckpt-{step:08d}") and step in (4, 6) and step <= stopped
+    assert (f"the newest is {newest} (global step {step}): run the same command again and "
+            "AutoResume goes on from it") in output, output[-3000:]
+    assert not (ckpt / ".kerastower.lock").exists()  # given back before the exit
+
+
+def test_a_hung_step_ends_the_process_after_the_grace_period_with_75(tmp_path):
+    """The step after global step 5 never ends (it waits in C++ code):
+    2 s (step_grace_s) after SIGTERM the process ends with status 75 and a
+    message; the checkpoint of step 4 is the newest and verifies."""
+    ckpt = tmp_path / "ckpt"
+    process = _start_hung(tmp_path, ckpt, grace=2)
+    process.send_signal(signal.SIGTERM)
+    status, output, seconds = _ended(process, within=30)
+    assert 1.5 < seconds < 10, (seconds, output[-3000:])
+    assert "got SIGTERM and the running step has not ended 2 s later (AutoResume's " \
+           "step_grace_s=2)" in output, output[-3000:]
+    _assert_ended_on_the_last_checkpoint(ckpt, status, output)
+
+
+def test_a_second_sigterm_during_a_hung_step_ends_the_process_at_once(tmp_path):
+    ckpt = tmp_path / "ckpt"
+    process = _start_hung(tmp_path, ckpt, grace=120)
+    process.send_signal(signal.SIGTERM)
+    time.sleep(1.5)
+    process.send_signal(signal.SIGTERM)
+    status, output, seconds = _ended(process, within=30)
+    assert seconds < 5, (seconds, output[-3000:])
+    assert "got SIGTERM, then SIGTERM 1." in output, output[-3000:]
+    assert "s later while the step was still running, so training was interrupted" in output
+    _assert_ended_on_the_last_checkpoint(ckpt, status, output)
+
+
 @pytest.fixture(scope="module")
 def uninterrupted_stateful(tmp_path_factory):
     """The run never interrupted, validated with EarlyStopping, ReduceLROnPlateau, ModelCheckpoint."""
@@ -175,6 +256,52 @@ def test_chosen_signals_and_exit_status_and_off(two_towers, tmp_path):
         kt.callbacks.AutoResume(str(tmp_path), save_on_signals=["SIGNOPE"])
     with pytest.raises(kt.ArgumentError, match="SIGKILL cannot be caught"):
         kt.callbacks.AutoResume(str(tmp_path), save_on_signals=["SIGKILL"])
+
+
+def test_the_watchdog_ends_only_a_step_that_outlives_its_grace_and_never_a_save(capfd):
+    from kerastower.loop.preemption import SignalWatch
+
+    def watch(**kwargs):
+        ended = []
+        return ended, SignalWatch([signal.SIGUSR1], on_end=lambda reason: (75, f"ended: {reason}"),
+                                  exit=ended.append, **kwargs)
+
+    # A signal the loop never acted on goes to the handler there was, on exit.
+    previous = signal.signal(signal.SIGUSR1, lambda *_: None)
+    try:
+        _watchdog_cases(watch, capfd)
+    finally:
+        signal.signal(signal.SIGUSR1, previous)
+    with pytest.raises(kt.ArgumentError, match="step_grace_s=0 is not a number of seconds"):
+        kt.callbacks.AutoResume("ckpt", step_grace_s=0)
+    assert kt.callbacks.AutoResume("ckpt", step_grace_s=None).step_grace_s is None
+
+
+def _watchdog_cases(watch, capfd):
+    ended, late = watch(grace_s=0.3)
+    with late:
+        signal.raise_signal(signal.SIGUSR1)
+        time.sleep(1.0)
+    assert ended == [75] and "got SIGUSR1 and the running step has not ended 0.3 s later" in late.ended
+    assert "ended: got SIGUSR1" in capfd.readouterr().err
+    ended, saving = watch(grace_s=0.3)
+    with saving:
+        signal.raise_signal(signal.SIGUSR1)
+        saving.begin_save()
+        time.sleep(0.6)
+        signal.raise_signal(signal.SIGUSR1)  # during the save: counted, ignored
+        time.sleep(0.6)
+    assert ended == [] and saving.count == 2
+    ended, twice = watch(grace_s=None)
+    with twice:
+        signal.raise_signal(signal.SIGUSR1)
+        signal.raise_signal(signal.SIGUSR1)  # the same notice delivered twice
+        time.sleep(0.3)
+        assert ended == []
+        time.sleep(0.9)
+        signal.raise_signal(signal.SIGUSR1)
+        time.sleep(0.3)
+    assert ended == [75] and "then SIGUSR1 1." in twice.ended
 
 
 def test_a_trainer_is_preempted_too(tmp_path):

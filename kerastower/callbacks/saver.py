@@ -330,7 +330,12 @@ class AutoResume(Callback):
     turns it off) stop it after the current step, on every process alike;
     the chief writes and verifies a checkpoint of that step into
     `checkpoint_dir`, and `kt.Preempted` ends the process with
-    `exit_status`. The run's folders are locked against a second run
+    `exit_status`. A step that has not ended `step_grace_s` seconds after
+    the signal, or a second signal while it runs, ends the process at once
+    with `exit_status` and a message, without a save: the checkpoints
+    already written stay intact, and the next launch goes on from the
+    newest (a second signal during the save itself is ignored: the save
+    completes). The run's folders are locked against a second run
     (kerastower/checkpoint/folder_lock.py).
 
     Args:
@@ -341,6 +346,14 @@ class AutoResume(Callback):
             towers).
         save_on_signals: signal names or numbers that save and stop.
         exit_status: the exit status after such a save (75, EX_TEMPFAIL).
+        step_grace_s: how many seconds after the first signal the save may
+            wait for the running step (and the callbacks after it, an
+            epoch's validation included) to end; past it the process ends
+            at once with `exit_status`, without a save. 120 s by default:
+            longer than most steps, about the longest kill grace schedulers
+            give (SLURM and Kubernetes 30 s by default, AWS spot 2
+            minutes), so that a step stuck in C++ code (a dead collective,
+            a hung input) no longer holds the machine. None waits forever.
 
     Examples:
         >>> import keras, numpy as np, kerastower as kt
@@ -358,13 +371,15 @@ class AutoResume(Callback):
     """
 
     def __init__(self, checkpoint_dir, allow_partial=False, strict=False,
-                 save_on_signals=preemption.DEFAULT_SIGNALS, exit_status=preemption.EXIT_STATUS):
+                 save_on_signals=preemption.DEFAULT_SIGNALS, exit_status=preemption.EXIT_STATUS,
+                 step_grace_s=preemption.STEP_GRACE_S):
         super().__init__()
         self.checkpoint_dir = checkpoint_dir
         self.allow_partial = allow_partial
         self.strict = bool(strict)
         self.save_on_signals = preemption.signal_numbers(save_on_signals, "AutoResume")
         self.exit_status = integer(exit_status, "exit_status", "AutoResume", minimum=0)
+        self.step_grace_s = preemption.grace_seconds(step_grace_s, "AutoResume")
         self.restored_from = None
         self.restored_arrays = {}  # the arrays of the restored callbacks' states
         # Runs on every process, so the chief's restored state reaches all.

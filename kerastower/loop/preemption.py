@@ -14,10 +14,25 @@ every process waits for it, and `Preempted` ends the process with exit
 status 75 (`EX_TEMPFAIL`: "try again"), which a scheduler's retry can tell
 from a crash. Run the same command again: AutoResume goes on from that step.
 
-A second signal while the checkpoint is written changes nothing: it is
-counted and the save goes on. A kill (SIGKILL, the end of the grace period)
-during the save leaves the checkpoints before it intact (checkpoints are
-written under a temporary name and renamed into place).
+A step that does not end is not waited for forever. The signals reach a
+watchdog thread as they come (through `signal.set_wakeup_fd`, even while
+the main thread is stuck in TensorFlow's or XLA's C++ code, where Python
+runs no handler). If the save has not begun `grace_s` seconds after the
+first signal (AutoResume's `step_grace_s`, 120 s by default), or a second
+signal comes while the step still runs, the watchdog ends the process at
+once with the same exit status and a message saying what was interrupted
+and which checkpoint the next launch goes on from. It never ends it during
+the preemption save: a second signal then is counted and the save goes on
+(it takes seconds, and it is what the next launch needs). A kill during a
+save (SIGKILL, the end of the scheduler's grace period, or the watchdog
+during another callback's save) leaves the checkpoints before it intact:
+a checkpoint is written into a `.writing-*` folder and renamed into place
+(kerastower/checkpoint/files.py).
+
+A launcher that watches the run (`python -m kerastower.launch`,
+kerastower/launch.py) passes a folder in `KERASTOWER_PREEMPTION_MARKS`;
+a process that ends on a preemption leaves a file there, so that the
+launcher can exit with 75 where `horovodrun` says 1.
 
 Examples:
     >>> import signal
@@ -28,15 +43,32 @@ Examples:
     'SIGUSR1'
 """
 
+import json
+import os
+import select
 import signal
+import socket
+import sys
 import threading
 import time
 import warnings
 
-__all__ = ["Preempted", "SignalWatch", "DEFAULT_SIGNALS", "EXIT_STATUS", "stop_agreed"]
+__all__ = ["Preempted", "SignalWatch", "DEFAULT_SIGNALS", "EXIT_STATUS", "STEP_GRACE_S",
+           "MARKS_VARIABLE", "stop_agreed", "report_to_launcher"]
 
 DEFAULT_SIGNALS = ("SIGTERM", "SIGUSR1")
 EXIT_STATUS = 75  # sysexits.h's EX_TEMPFAIL: a temporary failure; run it again
+# How long after the first signal the save may wait for the running step
+# (and the callbacks after it) to end: longer than most steps and an
+# epoch's validation, about as long as the longest usual kill grace (SLURM's
+# KillWait and Kubernetes' terminationGracePeriodSeconds default to 30 s,
+# AWS spot gives 2 minutes); None waits forever.
+STEP_GRACE_S = 120.0
+# A second signal within this many seconds of the first is the same notice
+# delivered twice (a scheduler signalling every process of the job while
+# horovodrun, srun or a launcher forwards its own copy), not a second one.
+SAME_NOTICE_S = 1.0
+MARKS_VARIABLE = "KERASTOWER_PREEMPTION_MARKS"  # set by kerastower/launch.py
 
 
 class Preempted(SystemExit):
@@ -94,26 +126,66 @@ def signal_numbers(signals, owner):
     return numbers
 
 
+def grace_seconds(value, owner):
+    """`value` (seconds, or None: wait forever) as a float; an ArgumentError
+    naming a bad one."""
+    import math
+    import numbers
+
+    from kerastower.errors import ArgumentError
+
+    if value is None:
+        return None
+    if (isinstance(value, bool) or not isinstance(value, numbers.Real) or math.isnan(value)
+            or value <= 0):
+        raise ArgumentError(
+            f"{owner}: step_grace_s={value!r} is not a number of seconds above 0; give how "
+            f"long a step may go on after a preemption signal (e.g. {STEP_GRACE_S:g}), or "
+            "None to wait for it however long it takes.")
+    return float(value)
+
+
 class SignalWatch:
-    """Notes the first of `signals` the process gets while it is entered.
+    """Notes the first of `signals` the process gets while it is entered,
+    and ends the process when the save cannot begin in time.
 
     Entered, it replaces those signals' handlers (in the main thread only:
     Python runs handlers there); left, it puts the previous ones back. A
     signal that came after the last step was checked is passed on to the
     previous handler when the watch is left, so it is not lost.
 
+    While entered, a watchdog thread reads the signals from a wakeup pipe
+    (`signal.set_wakeup_fd`: written by the C-level handler the moment a
+    signal comes, even while the main thread is stuck in C++ code). Unless
+    the save has begun (`begin_save`), it ends the process `grace_s`
+    seconds after the first signal (None: never), or at once on a second
+    signal that comes `SAME_NOTICE_S` or more after the first: it calls
+    `on_end(reason)`, which returns `(status, message)`, writes the message
+    to stderr, flushes stdout and stderr, and calls `exit(status)`
+    (`os._exit`: a step stuck in C++ code cannot be interrupted otherwise).
+
     Attributes:
         received: the first signal received (a `signal.Signals`), or None.
         count: signals received so far.
     """
 
-    def __init__(self, signals):
+    def __init__(self, signals, grace_s=None, on_end=None, exit=os._exit):
         self.signals = list(signals)
+        self.grace_s = grace_s
+        self.on_end = on_end
+        self._exit = exit
         self.received = None
         self.count = 0
         self.received_at = None
         self.acted_on = False
+        self.saving = False
+        self.ended = None  # the reason the watchdog gave, once it ended the process
         self._previous = {}
+        self._lock = threading.Lock()
+        self._thread = None
+        self._pipe = None
+        self._previous_wakeup = -1
+        self._closed = False
 
     @property
     def received_name(self):
@@ -124,6 +196,13 @@ class SignalWatch:
         if self.received is None:
             self.received = signum
             self.received_at = time.perf_counter()
+
+    def begin_save(self):
+        """Called before the preemption save: from now on the watchdog does
+        not end the process (it waits here if it is ending it already)."""
+        with self._lock:
+            self.acted_on = True
+            self.saving = True
 
     def __enter__(self):
         if not self.signals:
@@ -140,9 +219,11 @@ class SignalWatch:
             return self
         for number in self.signals:
             self._previous[number] = signal.signal(number, self._handle)
+        self._start_watchdog()
         return self
 
     def __exit__(self, *exc):
+        self._stop_watchdog()
         for number, previous in self._previous.items():
             signal.signal(number, previous)
         self._previous = {}
@@ -150,6 +231,125 @@ class SignalWatch:
             # It came too late to stop at a step: do what it would have done.
             signal.raise_signal(self.received)
         return False
+
+    # The watchdog.
+
+    def _start_watchdog(self):
+        try:
+            read, write = os.pipe()
+            os.set_blocking(read, False)
+            os.set_blocking(write, False)
+        except OSError:
+            return
+        try:
+            self._previous_wakeup = signal.set_wakeup_fd(write, warn_on_full_buffer=False)
+        except (ValueError, OSError):
+            os.close(read)
+            os.close(write)
+            return
+        self._pipe = (read, write)
+        self._closed = False
+        self._thread = threading.Thread(target=self._watch, name="kerastower-preemption-watchdog",
+                                        daemon=True)
+        self._thread.start()
+
+    def _stop_watchdog(self):
+        if self._pipe is None:
+            return
+        read, write = self._pipe
+        self._closed = True
+        try:
+            signal.set_wakeup_fd(self._previous_wakeup)
+        except (ValueError, OSError):
+            pass
+        try:
+            os.write(write, b"\0")  # wakes the watchdog, which sees _closed
+        except OSError:
+            pass
+        self._thread.join(timeout=5)
+        if not self._thread.is_alive():
+            os.close(read)
+        os.close(write)
+        self._pipe = self._thread = None
+
+    def _watch(self):
+        read = self._pipe[0]
+        numbers = {int(n) for n in self.signals}
+        first = first_name = deadline = None
+        while not self._closed:
+            timeout = None
+            if deadline is not None and not self.saving:
+                timeout = max(0.0, deadline - time.monotonic())
+            try:
+                ready, _, _ = select.select([read], [], [], timeout)
+            except (OSError, ValueError):
+                return
+            if self._closed:
+                return
+            if not ready:
+                self._end(f"got {first_name} and the running step has not ended "
+                          f"{self.grace_s:g} s later (AutoResume's step_grace_s={self.grace_s:g})")
+                deadline = None  # the save began meanwhile: it is not cut off
+                continue
+            try:
+                data = os.read(read, 512)
+            except BlockingIOError:
+                continue
+            except OSError:
+                return
+            if self._previous_wakeup >= 0:  # someone else's wakeup fd (asyncio's): pass it on
+                try:
+                    os.write(self._previous_wakeup, data)
+                except OSError:
+                    pass
+            for number in data:
+                if number not in numbers:
+                    continue
+                now = time.monotonic()
+                if first is None:
+                    first, first_name = now, signal.Signals(number).name
+                    if self.grace_s is not None:
+                        deadline = now + self.grace_s
+                elif now - first >= SAME_NOTICE_S and not self.saving:
+                    self._end(f"got {first_name}, then {signal.Signals(number).name} "
+                              f"{now - first:.1f} s later while the step was still running")
+
+    def _end(self, reason):
+        """Ends the process now unless the save has begun."""
+        with self._lock:
+            if self.saving or self._closed:
+                return
+            self.ended = reason
+            status, message = (EXIT_STATUS, f"kerastower: {reason}: exiting with status "
+                               f"{EXIT_STATUS}.") if self.on_end is None else self.on_end(reason)
+            for stream in (sys.stdout, sys.stderr):
+                try:
+                    stream.flush()
+                except Exception:  # noqa: BLE001 (ending anyway)
+                    pass
+            try:
+                os.write(2, ("\n" + message + "\n").encode("utf-8", "replace"))
+            except OSError:
+                pass
+            self._exit(status)
+
+
+def report_to_launcher(status, message, checkpoint=None):
+    """Leaves a file saying this process ends on a preemption in the folder
+    a launcher (kerastower/launch.py) named in `KERASTOWER_PREEMPTION_MARKS`,
+    if any; never raises."""
+    folder = os.environ.get(MARKS_VARIABLE)
+    if not folder:
+        return
+    name = f"preempted-{socket.gethostname()}-{os.getpid()}.json"
+    try:
+        staging = os.path.join(folder, "." + name)
+        with open(staging, "w") as f:
+            json.dump({"status": status, "message": message, "checkpoint": checkpoint,
+                       "host": socket.gethostname(), "pid": os.getpid()}, f)
+        os.replace(staging, os.path.join(folder, name))
+    except OSError:
+        pass
 
 
 def stop_agreed(watch, strategy):

@@ -27,6 +27,7 @@ import keras
 from kerastower import _compat
 from kerastower.callbacks import carried_state
 from kerastower.callbacks.base import unwrapped
+from kerastower.checkpoint import files as checkpoint_files
 from kerastower.checkpoint import keys as checkpoint_keys
 from kerastower.checkpoint.folder_lock import FolderLock
 from kerastower.checkpoint.folder_lock import FolderLockedError
@@ -52,6 +53,7 @@ class Resumption:
         self.name = run.name
         self.strategy = run.strategy
         self._watch = preemption.SignalWatch([])
+        self._locks = []  # the folders held, given back if the watchdog ends the process
         self._callback_arrays = {}  # the arrays of the callbacks' restored states
 
     def release(self, locks):
@@ -95,6 +97,7 @@ class Resumption:
             for lock in locks:
                 lock.release()
             raise
+        self._locks = locks
         return locks
 
     def restore(self):
@@ -168,10 +171,44 @@ class Resumption:
         return None
 
     def signal_watch(self):
-        """Catches AutoResume's preemption signals while the steps run."""
+        """Catches AutoResume's preemption signals while the steps run, and
+        ends the process when the save cannot begin within AutoResume's
+        `step_grace_s` of the first, or a second one comes first."""
         resumer = self.resumer()
-        self._watch = preemption.SignalWatch(resumer.save_on_signals if resumer else [])
+        self._watch = preemption.SignalWatch(
+            resumer.save_on_signals if resumer else [],
+            grace_s=getattr(resumer, "step_grace_s", preemption.STEP_GRACE_S),
+            on_end=self._end_now)
         return self._watch
+
+    def _end_now(self, reason):
+        """What the watchdog says before it ends the process without a save
+        (in its own thread, while the main thread is stuck): (status, message)."""
+        resumer, loop = self.resumer(), self.loop
+        status, folder = resumer.exit_status, os.fspath(resumer.checkpoint_dir)
+        newest = None
+        try:
+            found = checkpoint_files.candidates(folder)
+        except OSError:
+            found = []
+        if found:
+            step, newest = found[-1]
+            kept = (f"The checkpoints in {folder} are as they were (a save cut off leaves only "
+                    f"a .writing-* folder, removed at the next start); the newest is {newest} "
+                    f"(global step {step}): run the same command again and AutoResume goes on "
+                    "from it.")
+        else:
+            kept = (f"No checkpoint had been written into {folder}: running the same command "
+                    "again starts training over.")
+        message = (
+            f"{self.name}: {reason}, so training was interrupted after global step "
+            f"{loop.global_step} (epoch {loop.epoch_num}), in the step or the callbacks after "
+            f"it, without saving. Exiting at once with status {status}. {kept} (Raise "
+            "AutoResume's step_grace_s, or pass None to wait for the step however long it "
+            "takes, if steps or an epoch's validation legitimately take that long.)")
+        preemption.report_to_launcher(status, message, newest)
+        self.release(self._locks)
+        return status, message
 
     def stop_if_preempted(self):
         """After a step (or an epoch's end): when any process got a
@@ -181,11 +218,14 @@ class Resumption:
         watch = self._watch
         if not watch.signals or not preemption.stop_agreed(watch, self.strategy):
             return
-        watch.acted_on = True
         resumer, loop = self.resumer(), self.loop
         started = time.perf_counter()
         # Every process: on JAX the towers' weights reach the variables by collectives.
         self.training_run.engine.sync_state()
+        # JAX dispatches steps ahead of the loop: a step that never ends
+        # shows here, still under the watchdog, not in the save.
+        self._wait_for_the_steps()
+        watch.begin_save()  # the watchdog no longer ends the process: the save must complete
         path = resumer.save_on_preemption() if self.strategy.is_chief else None
         path = self.strategy.broadcast_object(path)
         name = watch.received_name
@@ -194,7 +234,9 @@ class Resumption:
             since = "" if watch.received_at is None else (
                 f", {time.perf_counter() - watch.received_at:.2f} s after the signal")
             got = f"got {name}" if name else "another process got a preemption signal"
-            more = (f" ({watch.count - 1} more signal(s) during the save were ignored)"
+            more = (f" ({watch.count - 1} more signal(s) during the save were ignored: a save "
+                    "under way completes, since it is what the next launch goes on from; a "
+                    "second signal ends the process at once only while a step runs)"
                     if watch.count > 1 else "")
             _compat.print_msg(
                 f"{self.name}: {got}; stopped after global step {loop.global_step} "
@@ -203,7 +245,22 @@ class Resumption:
                 f"{resumer.exit_status}: run the same command again and AutoResume goes on "
                 f"from global step {loop.global_step}."
             )
+        preemption.report_to_launcher(
+            resumer.exit_status, f"{self.name}: preempted after global step {loop.global_step}; "
+            f"saved {path}", path)
         raise preemption.Preempted(resumer.exit_status, loop.global_step, path, name)
+
+    def _wait_for_the_steps(self):
+        """Waits until the steps dispatched so far have run: on JAX, until
+        the variables' values are computed; TensorFlow's steps have run when
+        they return."""
+        if keras.backend.backend() != "jax":
+            return
+        import jax
+
+        optimizer = getattr(self.model, "optimizer", None)
+        variables = list(self.model.variables) + list(getattr(optimizer, "variables", None) or [])
+        jax.block_until_ready([v.value for v in variables])
 
     def start_position(self, state, starting_epoch, steps_per_epoch):
         """(first epoch_num, its first step, batches each tower skips)."""
