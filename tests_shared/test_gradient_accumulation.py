@@ -16,6 +16,8 @@ epoch's logged loss and metrics are then one device's too: every example
 is seen at the same weights in both.
 """
 
+import signal
+
 import keras
 import numpy as np
 import pytest
@@ -172,3 +174,41 @@ def test_keras_own_accumulation_is_not_the_joined_batch_for_a_masked_loss():
     stock.set_weights(start)
     got = _fit(stock, x, y, batch_size=B)
     assert max(np.max(np.abs(a - b)) for a, b in zip(got[0], want[0])) > 1e-4
+
+
+class _SignalAt(keras.callbacks.Callback):
+    """Sends this process SIGTERM once the loop's global step reaches `step`."""
+
+    def __init__(self, step):
+        super().__init__()
+        self.step = step
+
+    def on_train_batch_end(self, batch, logs=None):
+        if self.model.loop.global_step == self.step:
+            signal.raise_signal(signal.SIGTERM)
+
+
+def _fit_resumable(folder, k, stop=None):
+    keras.utils.set_random_seed(3)
+    model = _towers(2, _layers, {"optimizer": lambda: _optimizer("adam", k), "loss": "mse"})
+    x, y = _data()
+    callbacks = [kt.callbacks.AutoResume(str(folder)), kt.callbacks.ModelSaver(str(folder))]
+    model.fit(x, y, batch_size=B, epochs=3, shuffle=False, verbose=0,
+              callbacks=callbacks + ([] if stop is None else [stop]))
+    return model
+
+
+@pytest.mark.parametrize("stop_at", [5, 11])   # in the middle of a cycle of 3 micro-steps
+def test_a_resume_in_the_middle_of_an_accumulation_cycle_is_bit_equal(tmp_path, stop_at):
+    """Preempted after micro-step 2 of a cycle of 3 (the accumulators hold
+    two steps' gradients), the resumed run's weights, updates and
+    micro-step count are the uninterrupted run's, bit for bit."""
+    whole = _fit_resumable(tmp_path / "whole", 3)
+    with pytest.raises(kt.Preempted):
+        _fit_resumable(tmp_path / "resumed", 3, stop=_SignalAt(stop_at))
+    resumed = _fit_resumable(tmp_path / "resumed", 3)
+    assert int(np.asarray(resumed.optimizer.iterations)) == int(np.asarray(whole.optimizer.iterations))
+    for a, b in zip(resumed.get_weights(), whole.get_weights()):
+        np.testing.assert_array_equal(a, b)
+    for a, b in zip(resumed.optimizer.variables, whole.optimizer.variables):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b), err_msg=a.path)

@@ -196,7 +196,7 @@ def test_stateful_callbacks_resume_where_they_were_bit_equal(tmp_path, uninterru
     steps = int(done["step"])
     ckpt = tmp_path / "ckpt"
     status, output = signal_at_step(tmp_path, ckpt, (int(done["best_epoch"]) + 1) * 12 + 5,
-                                    "--stateful", "--epochs", "12", signum=signum, slow=0.1)
+                                    "--stateful", "--epochs", "12", signum=signum, slow=0.2)
     assert status == (75 if signum == signal.SIGTERM else -signal.SIGKILL), output[-3000:]
     run_script(ckpt, tmp_path / "b.npz", "--stateful", "--epochs", "12")
     assert_bit_equal(uninterrupted_stateful, tmp_path / "b.npz", steps)
