@@ -212,6 +212,10 @@ class StepEngine:
         """Writes what the towers hold into the model's variables (before
         callbacks, validation or a checkpoint read them)."""
 
+    def wait_for_steps(self):
+        """Returns once the steps dispatched so far have run (TensorFlow's
+        have when they return; JAX dispatches ahead of the loop)."""
+
     def memory_peaks(self):
         """Each tower device's peak memory in bytes, where devices report it
         (GPUs); an empty list elsewhere."""

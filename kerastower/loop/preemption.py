@@ -44,6 +44,8 @@ Examples:
 """
 
 import json
+import math
+import numbers
 import os
 import select
 import signal
@@ -52,6 +54,8 @@ import sys
 import threading
 import time
 import warnings
+
+from kerastower.errors import ArgumentError
 
 __all__ = ["Preempted", "SignalWatch", "DEFAULT_SIGNALS", "EXIT_STATUS", "STEP_GRACE_S",
            "MARKS_VARIABLE", "stop_agreed", "report_to_launcher"]
@@ -101,39 +105,32 @@ class Preempted(SystemExit):
 def signal_numbers(signals, owner):
     """`signals` (names like "SIGTERM", numbers or `signal.Signals`) as
     `signal.Signals`; a KerasTowerError naming a bad one."""
-    from kerastower.errors import ArgumentError
-
     if signals is None:
         return []
     if isinstance(signals, (str, int)):
         signals = [signals]
-    numbers = []
+    chosen = []
     for value in signals:
         try:
             if isinstance(value, str):
-                numbers.append(signal.Signals[value.upper()])
+                chosen.append(signal.Signals[value.upper()])
             else:
-                numbers.append(signal.Signals(value))
+                chosen.append(signal.Signals(value))
         except (KeyError, ValueError):
             raise ArgumentError(
                 f"{owner}: save_on_signals holds {value!r}, which is not a signal; give "
                 "names such as 'SIGTERM', 'SIGUSR1', 'SIGINT' (or () to turn it off)."
             ) from None
-    if signal.SIGKILL in numbers:
+    if signal.SIGKILL in chosen:
         raise ArgumentError(
             f"{owner}: SIGKILL cannot be caught; give signals such as 'SIGTERM' or 'SIGUSR1'."
         )
-    return numbers
+    return chosen
 
 
 def grace_seconds(value, owner):
     """`value` (seconds, or None: wait forever) as a float; an ArgumentError
     naming a bad one."""
-    import math
-    import numbers
-
-    from kerastower.errors import ArgumentError
-
     if value is None:
         return None
     if (isinstance(value, bool) or not isinstance(value, numbers.Real) or math.isnan(value)

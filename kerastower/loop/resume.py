@@ -224,7 +224,7 @@ class Resumption:
         self.training_run.engine.sync_state()
         # JAX dispatches steps ahead of the loop: a step that never ends
         # shows here, still under the watchdog, not in the save.
-        self._wait_for_the_steps()
+        self.training_run.engine.wait_for_steps()
         watch.begin_save()  # the watchdog no longer ends the process: the save must complete
         path = resumer.save_on_preemption() if self.strategy.is_chief else None
         path = self.strategy.broadcast_object(path)
@@ -249,18 +249,6 @@ class Resumption:
             resumer.exit_status, f"{self.name}: preempted after global step {loop.global_step}; "
             f"saved {path}", path)
         raise preemption.Preempted(resumer.exit_status, loop.global_step, path, name)
-
-    def _wait_for_the_steps(self):
-        """Waits until the steps dispatched so far have run: on JAX, until
-        the variables' values are computed; TensorFlow's steps have run when
-        they return."""
-        if keras.backend.backend() != "jax":
-            return
-        import jax
-
-        optimizer = getattr(self.model, "optimizer", None)
-        variables = list(self.model.variables) + list(getattr(optimizer, "variables", None) or [])
-        jax.block_until_ready([v.value for v in variables])
 
     def start_position(self, state, starting_epoch, steps_per_epoch):
         """(first epoch_num, its first step, batches each tower skips)."""

@@ -216,6 +216,11 @@ class JaxEngine(StepEngine):
     def sync_state(self):
         self.model.jax_state_sync()
 
+    def wait_for_steps(self):
+        optimizer = getattr(self.model, "optimizer", None)
+        variables = list(self.model.variables) + list(getattr(optimizer, "variables", None) or [])
+        jax.block_until_ready([v.value for v in variables])
+
     def memory_peaks(self):
         devices = self.model.tower_strategy.step_devices(self.model.num_towers)
         # Another process's devices (multihost) report to that process only.
