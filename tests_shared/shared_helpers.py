@@ -10,6 +10,7 @@ imports its fixtures from it.
 """
 
 import os
+import signal
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 if os.environ.get("KERAS_BACKEND") == "jax":
@@ -65,6 +66,18 @@ class StopAt(keras.callbacks.Callback):
     def on_train_batch_end(self, batch, logs=None):
         if self.model.loop.global_step >= self.step:
             raise Stop(self.step)
+
+
+class SigtermAt(keras.callbacks.Callback):
+    """Sends this process SIGTERM (a preemption) once the loop's global step reaches `step`."""
+
+    def __init__(self, step):
+        super().__init__()
+        self.step = step
+
+    def on_train_batch_end(self, batch, logs=None):
+        if self.model.loop.global_step == self.step:
+            signal.raise_signal(signal.SIGTERM)
 
 
 def id_data(n, features=4, classes=3, seed=0):

@@ -16,12 +16,12 @@ epoch's logged loss and metrics are then one device's too: every example
 is seen at the same weights in both.
 """
 
-import signal
 
 import keras
 import numpy as np
 import pytest
 
+from shared_helpers import SigtermAt
 from shared_helpers import BACKEND
 from shared_helpers import tower_devices
 
@@ -176,18 +176,6 @@ def test_keras_own_accumulation_is_not_the_joined_batch_for_a_masked_loss():
     assert max(np.max(np.abs(a - b)) for a, b in zip(got[0], want[0])) > 1e-4
 
 
-class _SignalAt(keras.callbacks.Callback):
-    """Sends this process SIGTERM once the loop's global step reaches `step`."""
-
-    def __init__(self, step):
-        super().__init__()
-        self.step = step
-
-    def on_train_batch_end(self, batch, logs=None):
-        if self.model.loop.global_step == self.step:
-            signal.raise_signal(signal.SIGTERM)
-
-
 def _fit_resumable(folder, k, stop=None):
     keras.utils.set_random_seed(3)
     model = _towers(2, _layers, {"optimizer": lambda: _optimizer("adam", k), "loss": "mse"})
@@ -205,7 +193,7 @@ def test_a_resume_in_the_middle_of_an_accumulation_cycle_is_bit_equal(tmp_path, 
     micro-step count are the uninterrupted run's, bit for bit."""
     whole = _fit_resumable(tmp_path / "whole", 3)
     with pytest.raises(kt.Preempted):
-        _fit_resumable(tmp_path / "resumed", 3, stop=_SignalAt(stop_at))
+        _fit_resumable(tmp_path / "resumed", 3, stop=SigtermAt(stop_at))
     resumed = _fit_resumable(tmp_path / "resumed", 3)
     assert int(np.asarray(resumed.optimizer.iterations)) == int(np.asarray(whole.optimizer.iterations))
     for a, b in zip(resumed.get_weights(), whole.get_weights()):

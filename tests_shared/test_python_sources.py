@@ -9,7 +9,6 @@ logged value must agree, as in test_jax_equivalence.py.
 
 import doctest
 import itertools
-import signal
 import threading
 
 import keras
@@ -17,6 +16,7 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
+from shared_helpers import SigtermAt
 from shared_helpers import BACKEND
 from shared_helpers import Stop
 from shared_helpers import StopAt
@@ -404,22 +404,12 @@ def test_a_resumed_run_equals_an_uninterrupted_one(tmp_path, kind, stop_at):
     assert any(not np.array_equal(a, b) for a, b in zip(whole.get_weights(), shorter.get_weights()))
 
 
-class _SigtermAt(keras.callbacks.Callback):
-    def __init__(self, step):
-        super().__init__()
-        self.step = step
-
-    def on_train_batch_end(self, batch, logs=None):
-        if self.model.loop.global_step == self.step:
-            signal.raise_signal(signal.SIGTERM)
-
-
 @pytest.mark.parametrize("kind, stop_at", [("pydataset", 7), ("iterable", 8), ("generator", 7)])
 def test_a_preempted_run_resumes_equal_to_an_uninterrupted_one(tmp_path, kind, stop_at):
     """SIGTERM mid-epoch saves that very step (not the last periodic save, 6)."""
     whole = _train_resumable(str(tmp_path / "a"), kind)
     with pytest.raises(kt.Preempted) as stopped:
-        _train_resumable(str(tmp_path / "b"), kind, [_SigtermAt(stop_at)])
+        _train_resumable(str(tmp_path / "b"), kind, [SigtermAt(stop_at)])
     assert stopped.value.checkpoint.endswith(f"ckpt-{stop_at:08d}")
     resumed = _train_resumable(str(tmp_path / "b"), kind)
     assert int(resumed.optimizer.iterations.numpy()) == int(whole.optimizer.iterations.numpy())
@@ -436,7 +426,7 @@ def test_a_pydataset_of_two_towers_resumes_on_one_at_the_same_source_batch(tmp_p
     folder = str(tmp_path / "ckpt")
     with pytest.raises(kt.Preempted) as stopped:
         _dense(2).fit(Batches(batches), epochs=1, verbose=0, shuffle=False,
-                      callbacks=[kt.callbacks.AutoResume(folder), _SigtermAt(4)])
+                      callbacks=[kt.callbacks.AutoResume(folder), SigtermAt(4)])
     resumed = _dense(1)
     capsys.readouterr()
     resumed.fit(Batches(batches), epochs=1, verbose=1, shuffle=False,

@@ -9,12 +9,12 @@ learning rate, the same best values and bit-equal weights as the run never
 stopped, on 2 towers, on each backend.
 """
 
-import signal
 
 import keras
 import numpy as np
 import pytest
 
+from shared_helpers import SigtermAt
 from shared_helpers import Stop
 from shared_helpers import StopAt
 from shared_helpers import tower_devices
@@ -36,27 +36,21 @@ def _data():
     return x, y, x_val, y_val
 
 
-class SignalAt(keras.callbacks.Callback):
-    """Sends this process SIGTERM once the loop's global step reaches `step`."""
-
-    def __init__(self, step):
-        super().__init__()
-        self.step = step
-
-    def on_train_batch_end(self, batch, logs=None):
-        if self.model.loop.global_step == self.step:
-            signal.raise_signal(signal.SIGTERM)
-
-
-def _fit(folder, stop=None):
-    """A fresh model and callbacks, fit to the end (or to `stop`); returns
-    (model, its callbacks by kind)."""
+def _model():
+    """The same model and initial weights on 2 towers, each time."""
     keras.utils.set_random_seed(7)
     with kt.distributed("mirrored", devices=tower_devices(2)):
         inputs = keras.Input((3,))
         hidden = keras.layers.Dense(8, activation="tanh")(inputs)
         model = kt.TowerModel(inputs, keras.layers.Dense(1)(hidden))
         model.compile(optimizer=keras.optimizers.SGD(0.1, momentum=0.5), loss="mse")
+    return model
+
+
+def _fit(folder, stop=None):
+    """A fresh model and callbacks, fit to the end (or to `stop`); returns
+    (model, its callbacks by kind)."""
+    model = _model()
     named = {
         "early": keras.callbacks.EarlyStopping(monitor="val_loss", patience=3,
                                                restore_best_weights=True),
@@ -111,7 +105,7 @@ def test_preempted_mid_epoch_and_resumed_ends_as_the_run_never_stopped(tmp_path,
     epoch = (uninterrupted["best_epoch"] + 2 if when.startswith("waiting")
              else uninterrupted["stopped_epoch"] + 1)
     with pytest.raises(kt.Preempted):
-        _fit(tmp_path, stop=SignalAt((epoch - 1) * STEPS + 2))
+        _fit(tmp_path, stop=SigtermAt((epoch - 1) * STEPS + 2))
     _assert_same(_outcome(*_fit(tmp_path)), uninterrupted)
 
 
@@ -127,13 +121,8 @@ def test_crashed_and_resumed_from_an_epoch_end_checkpoint_ends_as_the_run_never_
 
 def test_a_checkpoint_state_no_callback_takes_is_said(tmp_path, uninterrupted):
     with pytest.raises(kt.Preempted):
-        _fit(tmp_path, stop=SignalAt(5))
-    keras.utils.set_random_seed(7)
-    with kt.distributed("mirrored", devices=tower_devices(2)):
-        inputs = keras.Input((3,))
-        hidden = keras.layers.Dense(8, activation="tanh")(inputs)
-        model = kt.TowerModel(inputs, keras.layers.Dense(1)(hidden))
-        model.compile(optimizer=keras.optimizers.SGD(0.1, momentum=0.5), loss="mse")
+        _fit(tmp_path, stop=SigtermAt(5))
+    model = _model()
     x, y, x_val, y_val = _data()
     with pytest.warns(UserWarning, match="EarlyStopping.*not restored"):
         model.fit(x, y, batch_size=4, epochs=3, shuffle=False, verbose=0,
