@@ -378,6 +378,20 @@ def _dense(gradient):
     return gradient
 
 
+def _cycle_step(steps, counter, update_and_reset, accumulate, finite):
+    """The k-th micro-step of a cycle updates and resets, the others
+    accumulate; none of it where `finite` (a boolean tensor, or None: no
+    check) is False."""
+    def step():
+        tf.cond((counter + 1) % steps == 0, lambda: _no_output(update_and_reset()),
+                lambda: _no_output(accumulate()))
+
+    if finite is None:
+        step()
+    else:
+        tf.cond(finite, lambda: _no_output(step()), _no_output)
+
+
 def accumulate_or_apply(optimizer, apply, gradients, variables, finite=None):
     """Inside a TensorFlow tower, on gradients already reduced over the
     towers (the same on every tower): Keras's gradient accumulation,
@@ -415,14 +429,7 @@ def accumulate_or_apply(optimizer, apply, gradients, variables, finite=None):
                 a.assign(a.value + _dense(g))
             counter.assign_add(1)
 
-        def step():
-            tf.cond((counter + 1) % steps == 0, lambda: _no_output(update_and_reset()),
-                    lambda: _no_output(accumulate()))
-
-        if finite is None:
-            step()
-        else:
-            tf.cond(finite, lambda: _no_output(step()), _no_output)
+        _cycle_step(steps, counter, update_and_reset, accumulate, finite)
         return
 
     def in_cross_replica(distribution, finite, gradients):
@@ -441,14 +448,7 @@ def accumulate_or_apply(optimizer, apply, gradients, variables, finite=None):
                     a.value, lambda v, g: v.assign(v + _dense(g)), args=(g,), group=False)
             counter.assign_add(1)
 
-        def step():
-            tf.cond((counter + 1) % steps == 0, lambda: _no_output(update_and_reset()),
-                    lambda: _no_output(accumulate()))
-
-        if finite is None:
-            step()
-        else:
-            tf.cond(distribution.experimental_local_results(finite)[0],
-                    lambda: _no_output(step()), _no_output)
+        _cycle_step(steps, counter, update_and_reset, accumulate,
+                    None if finite is None else distribution.experimental_local_results(finite)[0])
 
     replica_ctx.merge_call(in_cross_replica, args=(finite, gradients))
