@@ -33,6 +33,7 @@ Examples:
 
 import contextlib
 import numbers
+import warnings
 
 import keras
 import numpy as np
@@ -42,7 +43,7 @@ from kerastower.errors import ArgumentError
 from kerastower.tower import get_current_tower_context
 
 __all__ = ["loss_divisor", "global_sum", "MASKED_LOSSES", "ForwardCollectiveNeeded",
-           "without_collectives"]
+           "without_collectives", "step_loss_count"]
 
 
 class ForwardCollectiveNeeded(Exception):
@@ -210,12 +211,43 @@ def loss_divisor(count, examples=None):
     ctx = _summing_context()
     count = keras.ops.cast(count, "float32")
     if ctx is None:
+        _record_count(count)
         return count
     if examples is None:
         examples = ctx.batch_size
     examples = keras.ops.cast(examples, "float32")
     summed = keras.ops.stop_gradient(ctx.sum_over_towers(keras.ops.stack([count, examples])))
+    _record_count(summed[0])
     return summed[0] * keras.ops.divide_no_nan(examples, summed[1])
+
+
+def _record_count(joined):
+    """Notes on the tower's context the joined count a loss of this step
+    divided by: gradient accumulation weighs its micro-steps by it
+    (`step_loss_count`)."""
+    ctx = get_current_tower_context()
+    if ctx is not None:
+        ctx.loss_counts = getattr(ctx, "loss_counts", ()) + (joined,)
+
+
+def step_loss_count(ctx, warn=False):
+    """The joined count the step's token-normalised loss divided by (the
+    same on every tower), or None where no loss of the step had one. A
+    step with several losses of their own counts has no one count to weigh
+    its gradient by: None, and (with `warn`) a warning, which Python shows
+    once per run."""
+    counts = getattr(ctx, "loss_counts", ())
+    if len(counts) == 1:
+        return counts[0]
+    if counts and warn:
+        warnings.warn(
+            f"kerastower: this step divides {len(counts)} losses by counts of their own "
+            "(masked losses or kt.loss_divisor), so gradient accumulation cannot weigh its "
+            "micro-steps by one count: it averages them as Keras does, which is not the "
+            "joined batch's gradient when the micro-steps' counts differ. Use one "
+            "token-normalised loss, or no gradient_accumulation_steps, for exact results.",
+            stacklevel=2)
+    return None
 
 
 _COUNT_EXPECTED = (
@@ -230,7 +262,10 @@ JOINED_MASKED_COUNTS = True
 
 def _masked_loss_divisor(valid, batch_size):
     # Keras's masked losses: None leaves Keras's own count.
-    if not JOINED_MASKED_COUNTS or _summing_context() is None:
+    if not JOINED_MASKED_COUNTS:
+        return None
+    if _summing_context() is None:
+        _record_count(keras.ops.cast(valid, "float32"))
         return None
     return loss_divisor(valid, batch_size)
 

@@ -150,6 +150,10 @@ class TowerModel(backend.tower_steps(), keras.Model):
         non-finite step is then applied, as stock Keras applies it."""
         kwargs = arguments.compile_kwargs(kwargs)
         super().compile(*args, jit_compile=self.engine.keras_jit_compile(jit_compile), **kwargs)
+        if self.optimizer is not None:
+            # Gradient accumulation weighs a token-normalised loss's
+            # micro-steps by their tokens (docs/training.md).
+            _compat.keep_loss_counts(self.optimizer)
         # Saved as given: Keras's own is off, the towers' steps compile themselves.
         self._tower_jit_compile_given = jit_compile
         self.tower_check_finite = arguments.boolean(check_finite, "check_finite", "compile")

@@ -67,8 +67,8 @@ def main():
         if index == 1:  # the chief's weights must win
             initial = [w + 1.0 for w in initial]
         model, logs = fit_case(case, optimizer_name, B, initial)
-        np.savez(os.path.join(out, f"final_{case}_{index}.npz"), *model.get_weights())
-        results[case] = {k: [float(v) for v in values] for k, values in logs.items()}
+        np.savez(os.path.join(out, f"final_{case}_{optimizer_name}_{index}.npz"), *model.get_weights())
+        results[f"{case}/{optimizer_name}"] = {k: [float(v) for v in values] for k, values in logs.items()}
     with open(os.path.join(out, f"results_{index}.json"), "w") as f:
         json.dump(results, f)
     switch.__exit__(None, None, None)

@@ -22,7 +22,19 @@ OPTIMIZERS = {
     "sgd": lambda: keras.optimizers.SGD(0.3),
     "adam": lambda: keras.optimizers.Adam(0.03),
     "clipnorm": lambda: keras.optimizers.SGD(0.3, clipnorm=0.05),
+    # One update per STEPS steps: one device's on 2 x B x STEPS examples.
+    "adam_accumulating": lambda: keras.optimizers.Adam(0.03, gradient_accumulation_steps=STEPS),
+    "sgd_accumulating": lambda: keras.optimizers.SGD(0.3, gradient_accumulation_steps=STEPS),
 }
+
+
+def one_device_reference(optimizer_name):
+    """(the optimizer one device trains with, the steps its batch joins):
+    an accumulating optimizer's cycle is one step of the optimizer without
+    accumulation on the cycle's joined examples."""
+    if optimizer_name.endswith("_accumulating"):
+        return optimizer_name[:-len("_accumulating")], STEPS
+    return optimizer_name, 1
 
 SCCE = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
 
@@ -300,6 +312,8 @@ DISTRIBUTED_SUBSET = [
     ("embedding", "adam"),
     ("sample_weight", "adam"),
     ("unequal_padding", "adam"),  # the masked loss's count is all processes' towers'
+    ("dense", "adam_accumulating"),             # gradient accumulation over processes
+    ("unequal_padding", "sgd_accumulating"),    # micro-steps weighed by their tokens
 ]
 
 

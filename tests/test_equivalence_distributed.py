@@ -17,6 +17,7 @@ from equivalence_cases import B
 from equivalence_cases import DISTRIBUTED_SUBSET as SUBSET
 from equivalence_cases import fit_case
 from equivalence_cases import initial_weights
+from equivalence_cases import one_device_reference
 
 SCRIPT = os.path.join(os.path.dirname(__file__), "distributed_equivalence_script.py")
 
@@ -73,16 +74,19 @@ def run(request, tmp_path_factory):
 def test_two_processes_equal_one_device_on_the_joined_batches(run, case, optimizer_name):
     name, out, initial, results = run
     assert results[0]["towers"] == results[1]["towers"] == 2
-    finals = [list(np.load(out / f"final_{case}_{i}.npz").values()) for i in range(2)]
+    finals = [list(np.load(out / f"final_{case}_{optimizer_name}_{i}.npz").values()) for i in range(2)]
     for a, b in zip(*finals):  # process 1 started from other weights: the chief's won
         np.testing.assert_array_equal(a, b)
+    reference, steps = one_device_reference(optimizer_name)
     with kt.distributed("single"):
-        one, one_logs = fit_case(case, optimizer_name, 2 * B, initial[case])
+        one, one_logs = fit_case(case, reference, 2 * B * steps, initial[case])
     for a, b in zip(one.get_weights(), finals[0]):
         np.testing.assert_allclose(b, a, atol=1e-5, err_msg=f"{name} {case}")
-    logs = results[0][case]
+    logs = results[0][f"{case}/{optimizer_name}"]
     assert sorted(logs) == sorted(one_logs)
     for key in one_logs:
+        if steps > 1 and key == "loss" and case == "unequal_padding":
+            continue  # accumulating, each micro-step logs its own token mean (docs/training.md)
         np.testing.assert_allclose(logs[key], one_logs[key], atol=1e-5,
                                    err_msg=f"{name} {case}: logged {key}")
 

@@ -6,7 +6,8 @@ fallback. Nothing outside this package imports `keras.src` or reaches for a
 private attribute of a Keras or TensorFlow object. `required.py` finds a
 private name or fails loudly; `patches.py` is where Keras is patched and for
 how long; this module holds the accessors both backends and TensorFlow use;
-`on_jax.py` the JAX engine's hooks.
+`on_jax.py` the JAX engine's hooks; `accumulation.py` Keras's gradient
+accumulation on towers.
 
 `TESTED` says which versions were tried; pyproject.toml allows the range.
 """
@@ -15,6 +16,11 @@ import functools
 import inspect
 
 from kerastower._tf import tf
+from kerastower._compat.accumulation import accumulate_or_apply
+from kerastower._compat.accumulation import accumulation_steps
+from kerastower._compat.accumulation import count_weighted
+from kerastower._compat.accumulation import keep_loss_counts
+from kerastower._compat.accumulation import loss_count_variable
 from kerastower._compat.patches import PatchGroup
 from kerastower._compat.patches import ScopedPatch
 from kerastower._compat.patches import gradients_already_reduced
@@ -32,7 +38,8 @@ from kerastower._compat.required import require
 
 __all__ = ["TESTED", "TESTED_ON_JAX", "require", "tower_patches", "ScopedPatch", "PatchGroup",
            "stock_fit_checked", "graph_reset_wrapped", "gradients_already_reduced", "is_reducing", "masked_losses_divided_by",
-           "loss_reductions_replaced"]
+           "loss_reductions_replaced", "accumulation_steps", "accumulate_or_apply", "count_weighted",
+           "keep_loss_counts", "loss_count_variable"]
 
 # -- a concrete function called with its arguments bound once ------------------
 
@@ -311,144 +318,3 @@ def apply_if(condition, apply, gradients):
 
 def _no_output(*_):
     return None
-
-
-# -- gradient accumulation (an optimizer's `gradient_accumulation_steps`) ---------
-
-def accumulation_steps(optimizer):
-    """k of an optimizer built with `gradient_accumulation_steps=k`, else None
-    (a LossScaleOptimizer's is its inner optimizer's)."""
-    inner = getattr(optimizer, "inner_optimizer", None)
-    steps = getattr(optimizer if inner is None else inner, "gradient_accumulation_steps", None)
-    return int(steps) if steps else None
-
-
-def _accumulation_state(optimizer, variables):
-    """(the micro-step counter, the accumulator of each of `variables`) of a
-    built optimizer with gradient accumulation: Keras's own variables
-    (`_iterations`, `_accumulated_gradients`), so a checkpoint of the
-    optimizer holds a cycle's progress."""
-    for name in ("_iterations", "_accumulated_gradients"):
-        if not hasattr(optimizer, name):
-            raise _missing(f"{type(optimizer).__name__}.{name}")
-    index = _method(optimizer, "_get_variable_index")
-    return optimizer._iterations, [optimizer._accumulated_gradients[index(v)] for v in variables]
-
-
-class _accumulation_off:
-    """Keras's own accumulation switched off while the k-th micro-step's
-    update is traced (the accumulated mean is applied as one gradient),
-    its count of updates (`optimizer.iterations`, `_iterations // k`, which
-    Adam's bias correction reads) kept: the optimizer is, for that while,
-    of a subclass whose `iterations` is Keras's accumulating one. Entered
-    by one thread while no other traces the optimizer."""
-
-    def __init__(self, optimizer):
-        self.optimizer = optimizer
-
-    def __enter__(self):
-        self.cls = type(self.optimizer)
-        self.steps = self.optimizer.gradient_accumulation_steps
-        if not isinstance(getattr(self.cls, "iterations", None), property):
-            raise _missing(f"{self.cls.__name__}.iterations as a property")
-        self.optimizer.__class__ = _updating_class(self.cls, self.steps)
-        self.optimizer.gradient_accumulation_steps = None
-        return self
-
-    def __exit__(self, *exc_info):
-        self.optimizer.gradient_accumulation_steps = self.steps
-        self.optimizer.__class__ = self.cls
-        return False
-
-
-@functools.cache
-def _updating_class(cls, steps):
-    import keras
-
-    def iterations(self):
-        return keras.ops.floor_divide(self._iterations, steps)
-
-    return type(cls.__name__, (cls,), {"iterations": property(iterations),
-                                       "__module__": cls.__module__})
-
-
-def _dense(gradient):
-    if isinstance(gradient, tf.IndexedSlices):
-        return tf.convert_to_tensor(gradient)
-    return gradient
-
-
-def _cycle_step(steps, counter, update_and_reset, accumulate, finite):
-    """The k-th micro-step of a cycle updates and resets, the others
-    accumulate; none of it where `finite` (a boolean tensor, or None: no
-    check) is False."""
-    def step():
-        tf.cond((counter + 1) % steps == 0, lambda: _no_output(update_and_reset()),
-                lambda: _no_output(accumulate()))
-
-    if finite is None:
-        step()
-    else:
-        tf.cond(finite, lambda: _no_output(step()), _no_output)
-
-
-def accumulate_or_apply(optimizer, apply, gradients, variables, finite=None):
-    """Inside a TensorFlow tower, on gradients already reduced over the
-    towers (the same on every tower): Keras's gradient accumulation,
-    `optimizer.gradient_accumulation_steps = k`, made to run under a
-    strategy that updates through `merge_call` (MirroredStrategy).
-
-    As Keras: the first k-1 micro-steps add their gradients to Keras's
-    accumulators and count one iteration; the k-th applies `(g + acc) / k`
-    through `apply(gradients)` (Keras's own apply, its accumulation off:
-    clipping, weight decay, the update, one iteration) and zeroes the
-    accumulators. Keras takes that choice in a `tf.cond` in the replica
-    context, from which MirroredStrategy cannot reduce; here the cond is
-    taken in the cross-replica context, as `apply_if`'s. `finite` (the same
-    on every tower), when given: a step whose gradients are not finite
-    neither accumulates nor counts.
-    """
-    steps = accumulation_steps(optimizer)
-    counter, accumulators = _accumulation_state(optimizer, variables)
-    internal = require("tensorflow", "__internal__")
-    supports_no_merge_call = _method(internal.distribute, "strategy_supports_no_merge_call")
-
-    def update(gradients):
-        apply([(_dense(g) + a.value) / steps for g, a in zip(gradients, accumulators)])
-
-    replica_ctx = tf.distribute.get_replica_context()
-    if replica_ctx is None or supports_no_merge_call():
-        def update_and_reset():
-            with _accumulation_off(optimizer):
-                update(gradients)
-            for a in accumulators:
-                a.assign(tf.zeros(a.shape, a.dtype))
-
-        def accumulate():
-            for g, a in zip(gradients, accumulators):
-                a.assign(a.value + _dense(g))
-            counter.assign_add(1)
-
-        _cycle_step(steps, counter, update_and_reset, accumulate, finite)
-        return
-
-    def in_cross_replica(distribution, finite, gradients):
-        def update_and_reset():
-            # Switched off here, in the one cross-replica thread, while
-            # the towers' threads wait: not by each tower's thread.
-            with _accumulation_off(optimizer):
-                distribution.extended.call_for_each_replica(update, args=(gradients,))
-            for a in accumulators:
-                distribution.extended.update(
-                    a.value, lambda v: v.assign(tf.zeros(v.shape, v.dtype)), group=False)
-
-        def accumulate():
-            for g, a in zip(gradients, accumulators):
-                distribution.extended.update(
-                    a.value, lambda v, g: v.assign(v + _dense(g)), args=(g,), group=False)
-            counter.assign_add(1)
-
-        _cycle_step(steps, counter, update_and_reset, accumulate,
-                    None if finite is None else distribution.experimental_local_results(finite)[0])
-
-    replica_ctx.merge_call(in_cross_replica, args=(finite, gradients))

@@ -36,6 +36,8 @@ import keras
 import numpy as np
 from jax.sharding import NamedSharding
 
+from kerastower import _compat
+from kerastower import loss_divisors
 from kerastower import loss_reductions
 from kerastower.backend.jax import finite_check
 from kerastower.backend.jax import towers as jax_towers
@@ -60,6 +62,27 @@ __all__ = ["AXIS", "tower_mesh", "place_tower_batches", "spans_processes", "loca
 class _TakenGradients:
     def __init__(self):
         self.gradients = None
+
+
+def _applied(optimizer, optimizer_vars, gradients, trainable, count):
+    """(new trainable values, new optimizer values): the optimizer's
+    `stateless_apply`; with gradient accumulation and a token-normalised
+    loss (its joined `count`, else None), its micro-steps weighed by their
+    tokens (`_compat.count_weighted`)."""
+    counts = _compat.loss_count_variable(optimizer) if count is not None else None
+    if counts is None or not _compat.accumulation_steps(optimizer):
+        return tuple(map(list, optimizer.stateless_apply(optimizer_vars, gradients, trainable)))
+    position = {id(v): i for i, v in enumerate(optimizer.variables)}
+
+    def read(variable):
+        return optimizer_vars[position[id(variable)]]
+
+    # `stateless_apply`'s gradients are those of the variables it was built on.
+    weighted, total = _compat.count_weighted(
+        optimizer, gradients, _compat.optimizer_variables(optimizer), count, read)
+    new_trainable, new_optimizer = map(list, optimizer.stateless_apply(optimizer_vars, weighted, trainable))
+    new_optimizer[position[id(counts)]] = total
+    return new_trainable, new_optimizer
 
 
 @contextlib.contextmanager
@@ -339,7 +362,9 @@ class TowerSteps(TowerState):
                     "there is no update to reduce over the towers. Call it once "
                     "with the gradients, as keras.Model.train_step does on JAX."
                 )
-            return taken.gradients, list(non_trainable), list(metrics), values
+            count = loss_divisors.step_loss_count(
+                ctx, warn=bool(_compat.accumulation_steps(model.optimizer)))
+            return taken.gradients, list(non_trainable), list(metrics), values, count
 
         metrics = [m[0] for m in tower_metrics]
         tower_args = (jax_towers.per_tower(trainable, self.num_towers), non_trainable, optimizer_vars, metrics, data)
@@ -349,7 +374,7 @@ class TowerSteps(TowerState):
             # computed where the update uses them (finite_check.py). On an
             # accelerator XLA might fuse and tune a product moved into a
             # cond otherwise than the same product with the check off.
-            checked, non_trainable, metrics, values = self._switch(
+            checked, non_trainable, metrics, values, count = self._switch(
                 lambda index, *args: finite_check.checked_gradients(
                     functools.partial(tower, index), *args, defer_products=self._host_memory),
                 *tower_args)
@@ -357,7 +382,7 @@ class TowerSteps(TowerState):
             # Each tower differentiates its own copy of the weights: the
             # gradient of replicated weights would come out summed over the
             # towers.
-            gradients, non_trainable, metrics, values = self._switch(tower, *tower_args)
+            gradients, non_trainable, metrics, values, count = self._switch(tower, *tower_args)
         values = self.step_values.reduced(values, self.num_towers > 1)
         if self.num_towers > 1:
             tower_finite = jax_towers.all_finite(gradients)
@@ -367,9 +392,12 @@ class TowerSteps(TowerState):
         elif self.check_finite and not self.jitted:
             checked = finite_check.CheckedGradients.of(gradients)
 
+        if count is not None and _compat.accumulation_steps(model.optimizer):
+            # The same on every tower, but out of each tower's branch.
+            count = jax_towers.from_tower_0([count], self.num_towers)[0]
+
         def apply(gradients):
-            return tuple(map(list, model.optimizer.stateless_apply(
-                optimizer_vars, gradients, trainable)))
+            return _applied(model.optimizer, optimizer_vars, gradients, trainable, count)
 
         def keep():
             return list(trainable), list(optimizer_vars)

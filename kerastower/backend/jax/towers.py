@@ -36,7 +36,8 @@ def on_every_tower(branch, num_towers, *args):
     One tower runs its branch alone, its moments its batch's.
     """
     if num_towers == 1:
-        with jax_sync.synchronized_over(None):
+        # A masked loss's count is Keras's own, noted for accumulation.
+        with jax_sync.synchronized_over(None), loss_divisors.MASKED_LOSSES:
             return branch(0, *args)
     # Masked losses divide by the joined batch's count (loss_divisors.py),
     # each of Keras's reductions is the joined batch's (loss_reductions.py).

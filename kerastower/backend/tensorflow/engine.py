@@ -261,30 +261,19 @@ class TensorFlowEngine(StepEngine):
 
 
 def _check_gradient_accumulation(model):
-    """Gradient accumulation is exact under MirroredStrategy, where
-    kerastower takes Keras's accumulate-or-apply choice in the cross-replica
-    context (`_compat.accumulate_or_apply`); what is not tested (multi-worker,
-    Horovod, a LossScaleOptimizer) is refused before the step is traced."""
+    """Gradient accumulation is exact on every TensorFlow strategy, where
+    kerastower takes Keras's accumulate-or-apply choice itself
+    (`_compat.accumulate_or_apply`), but not with a LossScaleOptimizer,
+    whose own apply skips non-finite steps: refused before the step is
+    traced."""
     steps = _compat.accumulation_steps(model.optimizer)
-    if not steps:
-        return
-    strategy = model.tower_strategy
-    tf_strategy = getattr(strategy, "tf_strategy", None)
-    untested = None
-    if isinstance(tf_strategy, tf.distribute.MultiWorkerMirroredStrategy):
-        untested = "multi-worker training"
-    elif getattr(strategy, "name", None) == "horovod":
-        untested = "Horovod"
-    elif isinstance(model.optimizer, keras.optimizers.LossScaleOptimizer):
-        untested = "a LossScaleOptimizer (mixed precision)"
-    if untested is None:
+    if not steps or not isinstance(model.optimizer, keras.optimizers.LossScaleOptimizer):
         return
     raise StrategyError(
-        f"fit: the optimizer has gradient_accumulation_steps={steps}, which kerastower "
-        f"runs exactly (as one device on the k x towers x batch joined examples) on "
-        f'kt.distributed("mirrored") and on JAX, but has not tested with {untested} on '
-        "TensorFlow. Train with a larger batch per tower instead (towers x per-tower "
-        "batch is the step's batch), or on mirrored towers or JAX.")
+        f"fit: the optimizer has gradient_accumulation_steps={steps} inside a "
+        "LossScaleOptimizer (mixed precision), which kerastower does not accumulate on "
+        "TensorFlow yet. Train with a larger batch per tower instead (towers x per-tower "
+        "batch is the step's batch), or without the LossScaleOptimizer, or on JAX.")
 
 
 def _check_ends(source, method, argument=None):

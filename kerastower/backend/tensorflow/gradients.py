@@ -203,8 +203,14 @@ def apply_in_tower(optimizer, keras_apply, gradients, variables=None):
             finite = nonfinite.all_finite(reduced) if ctx.check_finite else None
             if finite is not None:
                 nonfinite.record(ctx, finite, weighted)
+            count = loss_divisors.step_loss_count(ctx, warn=True)
+            assign = ()
+            if count is not None and _compat.loss_count_variable(optimizer) is not None:
+                # A token-normalised loss: micro-steps weighed by their tokens.
+                reduced, counts = _compat.count_weighted(optimizer, reduced, variables, count)
+                assign = [(_compat.loss_count_variable(optimizer), counts)]
             _compat.accumulate_or_apply(optimizer, lambda grads: keras_apply(optimizer, grads, variables),
-                                        reduced, variables, finite)
+                                        reduced, variables, finite, assign)
             return
         if isinstance(optimizer, keras.optimizers.LossScaleOptimizer) or not ctx.check_finite:
             # It skips a non-finite step itself and lowers its scale (or the
