@@ -11,10 +11,17 @@ has done 3 steps, SIGTERM is sent; the time until the process has exited
 own account of the save ("saved ... in X s") is printed beside it. Runs on
 the backend KERAS_BACKEND names.
 
-    horovodrun -np 2 -H localhost:2 --gloo python benchmarks/preemption.py --agreement
+    python benchmarks/preemption.py --agreement [--rounds 5]
 
-times what a step pays for the agreement when a run has several processes:
-one all-reduce of a flag (`kerastower/loop/preemption.py: stop_agreed`).
+times what a step pays for the stop agreement when a run has several
+processes (`kerastower/loop/preemption.py: StopAgreement`), on 2 and 4
+Horovod ranks and multi-worker workers on loopback: a small MLP's
+milliseconds a step (steps 20 to 220 of a fit, timed by a callback, so
+fit's fixed costs are left out) without AutoResume, with AutoResume
+agreeing after every step (as before issue 55), and with AutoResume's
+default (every few steps, at most 0.5% of their time), alternating in
+each process; the chief prints the medians and the median of the rounds'
+ratios.
 """
 
 import argparse
@@ -100,26 +107,94 @@ def measure(model_name):
         shutil.rmtree(folder, ignore_errors=True)
 
 
-def agreement(calls=500):
-    """The time of one `stop_agreed` on 2 Horovod ranks (median of 5 rounds)."""
+AGREEMENT_STEPS, AGREEMENT_SKIPPED = 220, 20
+
+
+def agreement_child(strategy_name, folder, rounds):
+    """One process of the agreement benchmark (a Horovod rank or a worker)."""
     import statistics
 
+    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
     import kerastower as kt
-    from kerastower.loop.preemption import SignalWatch
-    from kerastower.loop.preemption import stop_agreed
 
-    with kt.distributed("horovod") as strategy:
-        watch = SignalWatch([])
-        stop_agreed(watch, strategy)
-        rounds = []
-        for _ in range(5):
-            start = time.perf_counter()
-            for _ in range(calls):
-                stop_agreed(watch, strategy)
-            rounds.append((time.perf_counter() - start) / calls)
+    with kt.distributed(strategy_name) as strategy:
+        import keras
+        import numpy as np
+
+        from kerastower.loop import preemption
+
+        class StepTimes(keras.callbacks.Callback):
+            def on_train_batch_end(self, batch, logs=None):
+                if batch == AGREEMENT_SKIPPED - 1:
+                    self.start = time.perf_counter()
+                elif batch == AGREEMENT_STEPS - 1:
+                    self.ms = (time.perf_counter() - self.start) / (
+                        AGREEMENT_STEPS - AGREEMENT_SKIPPED) * 1e3
+
+        inputs = keras.Input((16,))
+        hidden = keras.layers.Dense(32, activation="relu")(inputs)
+        model = kt.TowerModel(inputs, keras.layers.Dense(1)(hidden))
+        model.compile(optimizer="sgd", loss="mse")
+        x = np.random.default_rng(0).normal(size=(8 * AGREEMENT_STEPS * strategy.num_towers, 16))
+        x = x.astype("float32")
+        y = x[:, :1]
+        default_seconds = preemption.MOST_SECONDS_BETWEEN
+        modes = {"none": None, "every step": 0.0, "default": default_seconds}
+        times = {mode: [] for mode in modes}
+        for _ in range(rounds + 1):   # the first round warms up
+            for mode, seconds in modes.items():
+                timer = StepTimes()
+                callbacks = [timer]
+                if seconds is not None:
+                    preemption.MOST_SECONDS_BETWEEN = seconds
+                    callbacks.append(kt.callbacks.AutoResume(os.path.join(folder, "ckpt")))
+                model.fit(x, y, batch_size=8, epochs=1, shuffle=False, verbose=0, callbacks=callbacks)
+                times[mode].append(timer.ms)
+        preemption.MOST_SECONDS_BETWEEN = default_seconds
         if strategy.is_chief:
-            print(f"horovod, 2 ranks: {statistics.median(rounds) * 1e3:.3f} ms per step "
-                  f"(rounds: {', '.join(f'{r * 1e3:.3f}' for r in rounds)})", flush=True)
+            medians = {mode: statistics.median(t[1:]) for mode, t in times.items()}
+            ratios = {mode: statistics.median(n / m for n, m in zip(times["none"][1:], t[1:]))
+                      for mode, t in times.items()}
+            print(f"RESULT {strategy_name} {strategy.num_towers}: " + "; ".join(
+                f"{mode} {medians[mode]:.3f} ms a step (speed {ratios[mode]:.3f} of none)"
+                for mode in modes), flush=True)
+
+
+def agreement(rounds):
+    """The agreement benchmark on 2 and 4 Horovod ranks and workers."""
+    import json
+    import socket
+
+    def free_port():
+        with socket.socket() as s:
+            s.bind(("localhost", 0))
+            return s.getsockname()[1]
+
+    for processes in (2, 4):
+        for strategy_name in ("horovod", "multiworker"):
+            folder = tempfile.mkdtemp()
+            command = [sys.executable, __file__, "--agreement-child", strategy_name, folder,
+                       "--rounds", str(rounds)]
+            try:
+                if strategy_name == "horovod":
+                    launched = [subprocess.Popen(
+                        ["horovodrun", "-np", str(processes), "-H", f"localhost:{processes}",
+                         "--gloo"] + command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                        text=True)]
+                else:
+                    addresses = [f"localhost:{free_port()}" for _ in range(processes)]
+                    launched = [subprocess.Popen(command, env=dict(os.environ, TF_CONFIG=json.dumps(
+                        {"cluster": {"worker": addresses}, "task": {"type": "worker", "index": i}})),
+                        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+                        for i in range(processes)]
+                outputs = [process.communicate(timeout=1800)[0] for process in launched]
+                lines = [line[line.index("RESULT") + 7:] for output in outputs
+                         for line in output.splitlines() if "RESULT" in line]
+                if not lines:
+                    raise RuntimeError(outputs[0][-3000:])
+                print(lines[0], flush=True)
+            finally:
+                shutil.rmtree(folder, ignore_errors=True)
 
 
 def main():
@@ -127,9 +202,12 @@ def main():
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--child", nargs=2)
     parser.add_argument("--agreement", action="store_true")
+    parser.add_argument("--agreement-child", nargs=2)
     args = parser.parse_args()
+    if args.agreement_child:
+        return agreement_child(*args.agreement_child, args.rounds)
     if args.agreement:
-        return agreement()
+        return agreement(args.rounds)
     if args.child:
         return child(*args.child)
     import keras

@@ -22,7 +22,11 @@ OPTIMIZERS = {
     "sgd": lambda: keras.optimizers.SGD(0.3),
     "adam": lambda: keras.optimizers.Adam(0.03),
     "clipnorm": lambda: keras.optimizers.SGD(0.3, clipnorm=0.05),
-    # One update per STEPS steps: one device's on 2 x B x STEPS examples.
+}
+# One update per STEPS steps: one device's on 2 x B x STEPS examples
+# (`one_device_reference`). In the Horovod / multi-worker subset; the
+# in-process matrix's are tests_shared/test_gradient_accumulation.py.
+ACCUMULATING = {
     "adam_accumulating": lambda: keras.optimizers.Adam(0.03, gradient_accumulation_steps=STEPS),
     "sgd_accumulating": lambda: keras.optimizers.SGD(0.3, gradient_accumulation_steps=STEPS),
 }
@@ -334,7 +338,7 @@ def fit_case(case, optimizer_name, batch_size, weights, epochs=2):
     build, make_data = CASES[case]
     fit_kwargs = make_data()
     x, y = fit_kwargs.pop("x"), fit_kwargs.pop("y")
-    model = build(OPTIMIZERS[optimizer_name]())
+    model = build({**OPTIMIZERS, **ACCUMULATING}[optimizer_name]())
     model.fit(x, y, batch_size=batch_size, epochs=0, verbose=0)  # creates the variables
     model.set_weights(weights)
     history = model.fit(x, y, batch_size=batch_size, epochs=epochs, shuffle=False, verbose=0,

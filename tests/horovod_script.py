@@ -265,6 +265,9 @@ def die(out):
 
 
 PREEMPTED_AT = 5  # epoch 2, step 2 of 3
+# The processes agree whether to stop every few steps and at each epoch's
+# end (loop/preemption.py, StopAgreement): they stop together by then.
+AGREED_BY = 6
 
 
 def preempted_run(out, rank, phase):
@@ -318,10 +321,11 @@ def assert_preempted_then_resumed_bit_equal(out, launch):
         with open(os.path.join(out, f"preempt_{rank}.json")) as f:
             stops.append(json.load(f))
     assert [s["code"] for s in stops] == [75, 75], stops
-    assert [s["step"] for s in stops] == [PREEMPTED_AT] * 2, stops
+    step = stops[0]["step"]
+    assert stops[1]["step"] == step and PREEMPTED_AT <= step <= AGREED_BY, stops
     assert [s["signal"] for s in stops] == [None, "SIGTERM"], stops
     # The chief wrote it; every process is told where.
-    assert stops[0]["checkpoint"].endswith(f"ckpt-{PREEMPTED_AT:08d}")
+    assert stops[0]["checkpoint"].endswith(f"ckpt-{step:08d}")
     assert stops[1]["checkpoint"] == stops[0]["checkpoint"]
     launch("resume")
     for rank in (0, 1):

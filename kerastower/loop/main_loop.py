@@ -296,7 +296,7 @@ class MainLoop:
                 for epoch_num in range(epoch_num, max_epoch + 1):
                     epoch_logs = self._run_epoch(iteration, epoch_num, first_step, steps_per_epoch)
                     first_step = 0
-                    self.resume.stop_if_preempted()
+                    self.resume.stop_if_preempted(epoch_end=True)
                     if model.stop_training:
                         break
             iteration.finish()

@@ -5,10 +5,12 @@ a job with a signal (SIGTERM, or SIGUSR1 with `--signal`) and kill it a
 grace period later. While `fit` (or `kt.Trainer.train`) runs with
 `kt.callbacks.AutoResume`, its signals are caught (`SignalWatch`) instead
 of ending the process at once. The loop (kerastower/loop/main_loop.py)
-asks after every step whether any process got one (`stop_agreed`: one
-small all-reduce per step when the run has several processes, none
-otherwise), so that every Horovod rank, multi-worker worker and JAX process
-stops after the same step even when only one was signalled. Then the chief
+asks after every step whether any process got one (`StopAgreement`: with
+several processes, one small all-reduce every few steps, as many as keep
+its cost near 0.5% of theirs and at most a second of steps apart, and at
+each epoch's end; none with one), so that every Horovod rank, multi-worker
+worker and JAX process stops after the same step even when only one was
+signalled. Then the chief
 writes a checkpoint of that step into AutoResume's folder and verifies it,
 every process waits for it, and `Preempted` ends the process with exit
 status 75 (`EX_TEMPFAIL`: "try again"), which a scheduler's retry can tell
@@ -58,7 +60,7 @@ import warnings
 from kerastower.errors import ArgumentError
 
 __all__ = ["Preempted", "SignalWatch", "DEFAULT_SIGNALS", "EXIT_STATUS", "STEP_GRACE_S",
-           "MARKS_VARIABLE", "stop_agreed", "report_to_launcher"]
+           "MARKS_VARIABLE", "StopAgreement", "report_to_launcher"]
 
 DEFAULT_SIGNALS = ("SIGTERM", "SIGUSR1")
 EXIT_STATUS = 75  # sysexits.h's EX_TEMPFAIL: a temporary failure; run it again
@@ -349,11 +351,65 @@ def report_to_launcher(status, message, checkpoint=None):
         pass
 
 
-def stop_agreed(watch, strategy):
+# The share of the steps' time that agreeing whether to stop may take, and
+# the longest a stop may wait for the next agreement after a signal.
+AGREEMENT_SHARE = 0.005
+MOST_SECONDS_BETWEEN = 1.0
+_MOST_STEPS_BETWEEN = 1_000_000
+
+
+class StopAgreement:
     """Whether training stops now: whether any process of the run got one
-    of its signals. One all-reduce of a flag across processes when the run
-    has several; every process calls it after the same step."""
-    got_one = watch.received is not None
-    if getattr(strategy, "single_process", True):
-        return got_one
-    return not strategy.all_agree(not got_one)
+    of its signals, agreed by every process after the same step.
+
+    One process decides alone, after every step. Several agree in one
+    all-reduce of two integers (a process's signal, the chief's interval),
+    after the same global steps: after the first step, then every
+    `interval` steps, and at every epoch's end. The interval is the chief's
+    choice, sent in the same all-reduce: as many steps as make the
+    agreement cost `AGREEMENT_SHARE` of their time (its cost measured on
+    the chief), but no more than `MOST_SECONDS_BETWEEN` seconds of steps,
+    so a stop waits that long at most. A model whose step takes longer
+    than the agreement 1 / AGREEMENT_SHARE times over agrees after every
+    step.
+
+    Example:
+        >>> import types
+        >>> one_process = types.SimpleNamespace(single_process=True)
+        >>> StopAgreement(one_process).stop_now(got_one=True, global_step=3)
+        True
+    """
+
+    def __init__(self, strategy):
+        self.strategy = strategy
+        self.interval = 1
+        self.cost_s = None     # the agreement's cost, as the chief measured it
+        self._last_step = None
+        self._last_time = None
+
+    def stop_now(self, got_one, global_step, epoch_end=False):
+        """Whether to stop after `global_step` (at an epoch's end: `epoch_end`)."""
+        if getattr(self.strategy, "single_process", True):
+            return got_one
+        if (self._last_step is not None and not epoch_end
+                and global_step - self._last_step < self.interval):
+            return False
+        proposal = self._proposal(global_step)
+        start = time.perf_counter()
+        signalled, interval = self.strategy.sum_over_processes(
+            [int(got_one), proposal if self.strategy.is_chief else 0])
+        now = time.perf_counter()
+        cost = now - start
+        self.cost_s = cost if self.cost_s is None else 0.5 * (self.cost_s + cost)
+        self.interval = max(1, int(interval))
+        self._last_step, self._last_time = global_step, now
+        return signalled > 0
+
+    def _proposal(self, global_step):
+        """The steps until the next agreement, from the steps since the last."""
+        if self._last_step is None or self.cost_s is None or global_step <= self._last_step:
+            return 1
+        step_s = max((time.perf_counter() - self._last_time) / (global_step - self._last_step), 1e-9)
+        wanted = math.ceil(self.cost_s / (AGREEMENT_SHARE * step_s))
+        most = max(1, math.floor(MOST_SECONDS_BETWEEN / step_s))
+        return max(1, min(wanted, most, _MOST_STEPS_BETWEEN))

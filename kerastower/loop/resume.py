@@ -53,6 +53,7 @@ class Resumption:
         self.name = run.name
         self.strategy = run.strategy
         self._watch = preemption.SignalWatch([])
+        self._agreement = preemption.StopAgreement(self.strategy)
         self._locks = []  # the folders held, given back if the watchdog ends the process
         self._callback_arrays = {}  # the arrays of the callbacks' restored states
 
@@ -175,6 +176,7 @@ class Resumption:
         ends the process when the save cannot begin within AutoResume's
         `step_grace_s` of the first, or a second one comes first."""
         resumer = self.resumer()
+        self._agreement = preemption.StopAgreement(self.strategy)
         self._watch = preemption.SignalWatch(
             resumer.save_on_signals if resumer else [],
             grace_s=getattr(resumer, "step_grace_s", preemption.STEP_GRACE_S),
@@ -210,13 +212,14 @@ class Resumption:
         self.release(self._locks)
         return status, message
 
-    def stop_if_preempted(self):
+    def stop_if_preempted(self, epoch_end=False):
         """After a step (or an epoch's end): when any process got a
         preemption signal, every process stops here; the chief writes a
         checkpoint of this step, every process waits for it, and
         `Preempted` ends the run."""
         watch = self._watch
-        if not watch.signals or not preemption.stop_agreed(watch, self.strategy):
+        if not watch.signals or not self._agreement.stop_now(
+                watch.received is not None, self.loop.global_step, epoch_end):
             return
         resumer, loop = self.resumer(), self.loop
         started = time.perf_counter()

@@ -171,6 +171,12 @@ class TowerStrategy:
         """Whether `flag` (a bool) holds on every process."""
         return bool(flag)
 
+    def sum_over_processes(self, values):
+        """`values` (a few Python ints, the same count on every process)
+        summed over the processes of the run, outside a step: one
+        all-reduce where there are several."""
+        return [int(v) for v in values]
+
     def any_process_has(self, has_data):
         """Inside a step function: whether `has_data` (this process's bool
         tensor: its towers have a batch left) holds on any process. The

@@ -128,6 +128,10 @@ class HorovodStrategy(TowerStrategy):
     def all_agree(self, flag):
         return bool(self.hvd.allreduce(tf.constant(int(bool(flag))), op=self.hvd.Min))
 
+    def sum_over_processes(self, values):
+        summed = self.hvd.allreduce(tf.constant([int(v) for v in values], tf.int32), op=self.hvd.Sum)
+        return [int(v) for v in summed.numpy()]
+
     def any_process_has(self, has_data):
         collectives.note("all_reduce", 1)
         return self.hvd.allreduce(tf.cast(has_data, tf.int32), op=self.hvd.Max) > 0

@@ -57,6 +57,9 @@ class JaxTowerStrategy:
     def all_agree(self, flag):
         return bool(flag)
 
+    def sum_over_processes(self, values):
+        return [int(v) for v in values]
+
     def sync_initial_state(self, model):
         """Nothing to do: one process, one copy of the variables."""
 

@@ -126,6 +126,10 @@ class MultiHostStrategy(JaxTowerStrategy):
         flags = multihost_utils.process_allgather(np.asarray(bool(flag)))
         return bool(np.all(flags))
 
+    def sum_over_processes(self, values):
+        gathered = multihost_utils.process_allgather(np.asarray([int(v) for v in values], np.int64))
+        return [int(v) for v in np.asarray(gathered).reshape(-1, len(values)).sum(axis=0)]
+
     def agree_on_seed(self, seed):
         """The chief's shuffling seed, so every process reads the same order."""
         return self.broadcast_object(seed)

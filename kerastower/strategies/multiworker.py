@@ -76,7 +76,8 @@ class MultiWorkerStrategy(TowerStrategy):
         resolver = tf_strategy.cluster_resolver
         self.worker_index = resolver.task_id or 0
         self.local_towers = len(tf_strategy.extended.worker_devices)
-        self._disagreements = None
+        self._process_sum = None   # sum_over_processes's tf.function, made once
+        self._broadcast = None     # _from_tower_0's
 
     single_process = False
 
@@ -128,18 +129,22 @@ class MultiWorkerStrategy(TowerStrategy):
 
     def _from_tower_0(self, values):
         """Tower 0's `values` (tensors of the same shapes everywhere), on
-        every worker: each tower adds its share, zero but on tower 0."""
+        every worker: each tower adds its share, zero but on tower 0. One
+        `tf.function`, traced again only for new shapes."""
+        if self._broadcast is None:
+            def share_of_tower_0(values):
+                index = tf.distribute.get_replica_context().replica_id_in_sync_group
+                return [tf.where(tf.equal(index, 0), v, tf.zeros_like(v)) for v in values]
 
-        def share_of_tower_0():
-            index = tf.distribute.get_replica_context().replica_id_in_sync_group
-            return [tf.where(tf.equal(index, 0), v, tf.zeros_like(v)) for v in values]
+            @tf.function(reduce_retracing=True)
+            def broadcast(values):
+                shares = self.tf_strategy.run(share_of_tower_0, args=(values,))
+                return [self.tf_strategy.reduce(tf.distribute.ReduceOp.SUM, s, axis=None) for s in shares]
 
-        @tf.function
-        def broadcast():
-            shares = self.tf_strategy.run(share_of_tower_0)
-            return [self.tf_strategy.reduce(tf.distribute.ReduceOp.SUM, s, axis=None) for s in shares]
-
-        return broadcast()
+            self._broadcast = broadcast
+        # Tensors, not the variables themselves: a trace takes a variable
+        # argument by reference, and would go on reading the first ones.
+        return self._broadcast([tf.convert_to_tensor(v) for v in values])
 
     def sync_initial_state(self, model):
         variables = training_state(model)
@@ -148,20 +153,24 @@ class MultiWorkerStrategy(TowerStrategy):
 
     def all_agree(self, flag):
         """Whether `flag` holds on every worker: one all-reduce of a count."""
-        if self._disagreements is None:
+        return self.sum_over_processes([0 if flag else 1])[0] == 0
+
+    def sum_over_processes(self, values):
+        """One all-reduce: each worker's first tower adds `values`, the others zeros."""
+        if self._process_sum is None:
             first_towers = self.local_towers
 
-            def share(count):
+            def share(vector):
                 index = tf.distribute.get_replica_context().replica_id_in_sync_group
-                return tf.where(tf.equal(index % first_towers, 0), count, tf.zeros_like(count))
+                return tf.where(tf.equal(index % first_towers, 0), vector, tf.zeros_like(vector))
 
-            @tf.function
-            def disagreements(count):
-                shares = self.tf_strategy.run(share, args=(count,))
+            @tf.function(input_signature=[tf.TensorSpec([None], tf.int32)])
+            def summed(vector):
+                shares = self.tf_strategy.run(share, args=(vector,))
                 return self.tf_strategy.reduce(tf.distribute.ReduceOp.SUM, shares, axis=None)
 
-            self._disagreements = disagreements
-        return int(self._disagreements(tf.constant(0 if flag else 1, tf.int32))) == 0
+            self._process_sum = summed
+        return [int(v) for v in self._process_sum(tf.constant([int(v) for v in values], tf.int32)).numpy()]
 
     def broadcast_object(self, obj):
         data = np.frombuffer(json.dumps(obj).encode(), np.uint8).astype(np.int32)
