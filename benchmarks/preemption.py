@@ -20,8 +20,10 @@ milliseconds a step (steps 20 to 220 of a fit, timed by a callback, so
 fit's fixed costs are left out) without AutoResume, with AutoResume
 agreeing after every step (as before issue 55), and with AutoResume's
 default (every few steps, at most 0.5% of their time), alternating in
-each process; the chief prints the medians and the median of the rounds'
-ratios.
+each process; the chief prints the medians, the median of the rounds'
+ratios, and the agreements' own share of the steps' time (the time
+inside their all-reduces over the steps' time, taken in the same fit, so
+what other processes on the machine do cancels out).
 """
 
 import argparse
@@ -123,13 +125,30 @@ def agreement_child(strategy_name, folder, rounds):
 
         from kerastower.loop import preemption
 
+        # The time spent in the agreements' all-reduces, measured where they run.
+        agreeing = {"s": 0.0, "calls": 0}
+        sum_over_processes = strategy.sum_over_processes
+
+        def timed_sum(values):
+            start = time.perf_counter()
+            try:
+                return sum_over_processes(values)
+            finally:
+                agreeing["s"] += time.perf_counter() - start
+                agreeing["calls"] += 1
+
+        strategy.sum_over_processes = timed_sum
+        timed = AGREEMENT_STEPS - AGREEMENT_SKIPPED
+
         class StepTimes(keras.callbacks.Callback):
             def on_train_batch_end(self, batch, logs=None):
                 if batch == AGREEMENT_SKIPPED - 1:
                     self.start = time.perf_counter()
+                    self.agreeing = dict(agreeing)
                 elif batch == AGREEMENT_STEPS - 1:
-                    self.ms = (time.perf_counter() - self.start) / (
-                        AGREEMENT_STEPS - AGREEMENT_SKIPPED) * 1e3
+                    self.ms = (time.perf_counter() - self.start) / timed * 1e3
+                    self.agreement_ms = (agreeing["s"] - self.agreeing["s"]) / timed * 1e3
+                    self.calls = agreeing["calls"] - self.agreeing["calls"]
 
         inputs = keras.Input((16,))
         hidden = keras.layers.Dense(32, activation="relu")(inputs)
@@ -141,6 +160,8 @@ def agreement_child(strategy_name, folder, rounds):
         default_seconds = preemption.MOST_SECONDS_BETWEEN
         modes = {"none": None, "every step": 0.0, "default": default_seconds}
         times = {mode: [] for mode in modes}
+        shares = {mode: [] for mode in modes}   # the agreements' time over the steps'
+        calls = {mode: [] for mode in modes}
         for _ in range(rounds + 1):   # the first round warms up
             for mode, seconds in modes.items():
                 timer = StepTimes()
@@ -150,13 +171,17 @@ def agreement_child(strategy_name, folder, rounds):
                     callbacks.append(kt.callbacks.AutoResume(os.path.join(folder, "ckpt")))
                 model.fit(x, y, batch_size=8, epochs=1, shuffle=False, verbose=0, callbacks=callbacks)
                 times[mode].append(timer.ms)
+                shares[mode].append(timer.agreement_ms / timer.ms)
+                calls[mode].append(timer.calls)
         preemption.MOST_SECONDS_BETWEEN = default_seconds
         if strategy.is_chief:
             medians = {mode: statistics.median(t[1:]) for mode, t in times.items()}
             ratios = {mode: statistics.median(n / m for n, m in zip(times["none"][1:], t[1:]))
                       for mode, t in times.items()}
             print(f"RESULT {strategy_name} {strategy.num_towers}: " + "; ".join(
-                f"{mode} {medians[mode]:.3f} ms a step (speed {ratios[mode]:.3f} of none)"
+                f"{mode} {medians[mode]:.3f} ms a step (speed {ratios[mode]:.3f} of none, "
+                f"agreements {statistics.median(calls[mode][1:]):.0f} taking "
+                f"{100 * statistics.median(shares[mode][1:]):.2f}% of the steps' time)"
                 for mode in modes), flush=True)
 
 
