@@ -12,7 +12,6 @@ import numbers
 import keras
 import numpy as np
 
-from kerastower._tf import tf
 from kerastower import _compat
 from kerastower.errors import ArgumentError
 from kerastower.errors import InputSourceError
@@ -23,7 +22,6 @@ __all__ = [
     "fit_integers",
     "inference_integers",
     "fit_data",
-    "validation_source",
     "inference_callbacks",
     "compile_kwargs",
     "boolean",
@@ -130,21 +128,6 @@ def fit_data(x, y, sample_weight, class_weight, validation_split, validation_dat
             )
         sample_weight = _compat.class_weight_to_sample_weights(y, class_weight)
     return x, y, sample_weight, validation_data
-
-
-def validation_source(validation_data, batch_size):
-    """The InputSource of fit's `validation_data`: (x, y[, sample_weight])
-    arrays, a dataset or an InputSource."""
-    # Imported here so that inputs/sources.py (and every module) can use `integer`.
-    from kerastower.inputs.sources import as_input_source
-
-    if isinstance(validation_data, (tuple, list)) and not isinstance(
-        validation_data[0], tf.data.Dataset
-    ):
-        val_x, val_y, val_w = _compat.unpack_x_y_sample_weight(tuple(validation_data))
-        return as_input_source(val_x, val_y, val_w, batch_size)
-    return as_input_source(validation_data)
-
 
 
 def inference_callbacks(model, callbacks, verbose, steps, source):

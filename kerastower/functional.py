@@ -205,3 +205,7 @@ class TaskTowerModel(TowerModel):
         config = dict(config)
         task = keras.saving.deserialize_keras_object(config.pop("task"), custom_objects=custom_objects)
         return cls(task, **config)
+
+
+# TowerModel makes these variants without importing this module, which builds on it.
+TowerModel._variants = sys.modules[__name__]

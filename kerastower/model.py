@@ -67,24 +67,26 @@ class TowerModel(backend.tower_steps(), keras.Model):
         2
     """
 
-    def __new__(cls, *args, **kwargs):
-        from kerastower import functional
+    # What `kt.TowerModel(...)` makes instead of an object of the class
+    # called (a functional twin, a wrapper) are subclasses of TowerModel,
+    # made by kerastower/functional.py, which hands itself in here when it
+    # is imported (the package imports it).
+    _variants = None
 
+    def __new__(cls, *args, **kwargs):
         if cls is TowerModel and args and isinstance(args[0], keras.Model):
-            return functional.wrapped_by_new(cls, args, kwargs)
+            return cls._variants.wrapped_by_new(cls, args, kwargs)
         # Keras makes `SomeModel(inputs, outputs)` functional by rewriting the
         # bases of SomeModel and of its parents, TowerModel included, which
         # would turn every later subclass functional too. A functional twin of
         # the class, made once, avoids that.
         if _compat.makes_functional(cls, TowerModel, args, kwargs):
-            return super().__new__(functional.functional_twin(cls))
+            return super().__new__(cls._variants.functional_twin(cls))
         return super().__new__(cls)
 
     def __init__(self, *args, **kwargs):
         if self.__dict__.get("_built_from_model") is not None:
-            from kerastower import functional
-
-            if functional.built_by_new(self, args, kwargs):
+            if self._variants.built_by_new(self, args, kwargs):
                 return
         if _compat.functional_init_arguments(args, kwargs) and not isinstance(self, _compat.functional_class()):
             # Keras would make this class, and TowerModel with it, functional
@@ -110,9 +112,7 @@ class TowerModel(backend.tower_steps(), keras.Model):
         any other model is called from a thin TowerModel around it. Build or
         create `model` under the same strategy the TowerModel trains with.
         """
-        from kerastower import functional
-
-        return functional.wrap(cls, model)
+        return cls._variants.wrap(cls, model)
 
     @property
     def tower_strategy(self):

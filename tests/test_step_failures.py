@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 import kerastower as kt
-from kerastower.backend.tensorflow.step_errors import StepFailures
+from kerastower.inputs.step_failures import StepFailures
 from kerastower.errors import StepFailedError
 
 

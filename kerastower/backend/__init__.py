@@ -63,7 +63,7 @@ def evaluation_source(x, y=None, sample_weight=None, batch_size=None):
         from kerastower.inputs.jax_sources import tower_batches
 
         return tower_batches(x, y, sample_weight, batch_size)
-    from kerastower.inputs.sources import as_input_source
+    from kerastower.inputs.as_source import as_input_source
 
     return as_input_source(x, y, sample_weight, batch_size)
 

@@ -41,7 +41,7 @@ class SayEpoch(kt.callbacks.Callback):
 
 import keras
 
-__all__ = ["Callback", "RunAware", "RunHooks", "unwrapped"]
+__all__ = ["Callback", "KERAS_CHIEF_ONLY", "RunAware", "RunHooks", "unwrapped"]
 
 
 class RunAware:
@@ -203,6 +203,16 @@ class Callback(RunAware, keras.callbacks.Callback):
 
     def __str__(self):
         return type(self).__name__
+
+
+# Keras's callbacks that write files or print: they count as chief-only
+# (`Callback.chief_only`), as kerastower's own do by default.
+KERAS_CHIEF_ONLY = (
+    keras.callbacks.TensorBoard,
+    keras.callbacks.ModelCheckpoint,
+    keras.callbacks.CSVLogger,
+    keras.callbacks.ProgbarLogger,
+)
 
 
 class RunHooks:

@@ -28,6 +28,7 @@ import keras
 
 from kerastower.arguments import integer
 from kerastower.callbacks.base import Callback
+from kerastower.callbacks.base import KERAS_CHIEF_ONLY
 
 __all__ = ["PeriodicTrigger", "EnableCallbackIf", "ProxyCallback"]
 
@@ -94,9 +95,7 @@ class ProxyCallback(Callback):
         self.is_keras = not isinstance(callback, Callback)
         self.chief_only = getattr(callback, "chief_only", None)
         if self.chief_only is None:
-            from kerastower.loop.main_loop import _KERAS_CHIEF_ONLY
-
-            self.chief_only = isinstance(callback, _KERAS_CHIEF_ONLY)
+            self.chief_only = isinstance(callback, KERAS_CHIEF_ONLY)
         self._run_active = True
 
     def _active(self):

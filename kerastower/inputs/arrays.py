@@ -1,6 +1,6 @@
 """numpy arrays as an InputSource: per-tower batches, reshuffled every pass.
 
-What `fit(x, y, batch_size=...)` trains on: `as_input_source` (sources.py)
+What `fit(x, y, batch_size=...)` trains on: `as_input_source` (as_source.py)
 makes one from arrays, with `batch_size` examples per tower. Which rows
 each batch holds, pass by pass, is decided by `ArrayRows` (array_rows.py),
 as on JAX; this module gathers them in a tf.data pipeline. As Keras's

@@ -31,10 +31,10 @@ import contextlib
 import numpy as np
 
 from kerastower._tf import tf
-from kerastower.backend.tensorflow import step_errors
 from kerastower.errors import DataMismatchError
 from kerastower.inputs import python_feed
 from kerastower.inputs import python_sources
+from kerastower.inputs import step_failures
 from kerastower.inputs.dealing import TowerDealer
 from kerastower.inputs.dealing import failed_batch
 from kerastower.inputs.dealing import standardized
@@ -155,7 +155,7 @@ class PythonSourceInput(InputSource):
         name = f"The input ({self.kind})"
         # Taken now, while the run that reads the feed builds it: the
         # generator raises in tf.data's thread.
-        failures = step_errors.feeding_failures()
+        failures = step_failures.feeding_failures()
 
         def record(error, good):
             # The batch the source failed making, where dealing marked it:

@@ -16,21 +16,17 @@ kt.DummyConstantInput((images, labels))       # constant batches, for benchmarks
 
 `fit`, `evaluate` and `predict` also take plain `tf.data.Dataset`s (as
 `DatasetInput`), numpy arrays (batched with `batch_size` per tower), and
-Python generators, iterables and `keras.utils.PyDataset`s (python_input.py).
+Python generators, iterables and `keras.utils.PyDataset`s (python_input.py);
+`as_input_source` (as_source.py) makes the InputSource of each.
 """
 
 import collections
 import contextlib
 import inspect
 
-import numpy as np
-
 from kerastower._tf import tf
 from kerastower.inputs import python_feed
-from kerastower.inputs import python_sources
-from kerastower.inputs import ragged_sparse
-from kerastower.arguments import integer
-from kerastower.backend.tensorflow import step_errors
+from kerastower.inputs import step_failures
 from kerastower.errors import InputSourceError
 
 __all__ = [
@@ -39,7 +35,6 @@ __all__ = [
     "GeneratorInput",
     "DummyConstantInput",
     "TowerInputContext",
-    "as_input_source",
 ]
 
 TowerInputContext = collections.namedtuple("TowerInputContext", ["index", "total"])
@@ -342,7 +337,7 @@ class GeneratorInput(InputSource):
 
         # tf.data passes on only the text of an exception; the step that
         # fails gives the user the exception itself, from the run's record.
-        failures = step_errors.feeding_failures()
+        failures = step_failures.feeding_failures()
 
         def record(error, yielded):
             failures.record_generator_error(error, name, yielded, yielded % ctx.total)
@@ -397,79 +392,3 @@ class DummyConstantInput(InputSource):
 
     def _tower_dataset(self, ctx):
         return tf.data.Dataset.from_tensors(self._batch).repeat()
-
-
-def _is_array(value):
-    return isinstance(value, (np.ndarray, tf.Tensor, tf.RaggedTensor, tf.SparseTensor)) or (
-        ragged_sparse.is_sparse(value)
-    ) or (
-        isinstance(value, (list, tuple, dict))
-        and value
-        and all(_is_array(v) for v in tf.nest.flatten(value))
-    )
-
-
-def _tf_arrays(structure):
-    """Arrays with every scipy sparse matrix and JAX BCOO made the
-    `tf.SparseTensor` Keras makes of it on TensorFlow."""
-    if structure is None:
-        return None
-    if ragged_sparse.is_sparse(structure):
-        return ragged_sparse.as_tf_sparse(structure)
-    if isinstance(structure, list):
-        return [_tf_arrays(v) for v in structure]
-    if isinstance(structure, tuple):
-        return tuple(_tf_arrays(v) for v in structure)
-    if isinstance(structure, dict):
-        return {k: _tf_arrays(v) for k, v in structure.items()}
-    return structure
-
-
-def as_input_source(x, y=None, sample_weight=None, batch_size=None, shuffle=False,
-                    repeat=False):
-    """Turns what fit/evaluate/predict received into an `InputSource`.
-
-    `batch_size` is the per-tower batch for arrays (default 32); it must be
-    None for datasets and InputSources, which are batched already. `repeat`
-    makes arrays an endless source (fit with `steps_per_epoch`).
-    """
-    if isinstance(x, InputSource) or isinstance(x, tf.data.Dataset):
-        if y is not None or sample_weight is not None:
-            raise InputSourceError(
-                f"y and sample_weight must be None when x is a "
-                f"{type(x).__name__}: the dataset yields (x, y, sample_weight) "
-                "itself."
-            )
-        if batch_size is not None:
-            raise InputSourceError(
-                f"batch_size={batch_size} was given with a {type(x).__name__}, "
-                "which is batched already: batch the pipeline with the per-tower "
-                "batch size and leave batch_size unset."
-            )
-        return x if isinstance(x, InputSource) else DatasetInput(x)
-    if _is_array(x):
-        batch_size = 32 if batch_size is None else integer(
-            batch_size, "batch_size (per tower)", "kerastower", minimum=1
-        )
-        from kerastower.inputs.arrays import ArrayInput  # it builds on DatasetInput
-
-        x, y, sample_weight = (_tf_arrays(a) for a in (x, y, sample_weight))
-        return ArrayInput(x, y, sample_weight, batch_size, shuffle, repeat)
-    if isinstance(x, tf.distribute.DistributedDataset) or hasattr(
-        x, "_input_workers"
-    ):
-        raise InputSourceError(
-            "Pass the tf.data.Dataset itself, or kt.DatasetInput(fn), not a "
-            "distributed dataset: kerastower distributes it so that each tower "
-            "takes whole batches of its own."
-        )
-    if python_sources.is_batched(x):
-        from kerastower.inputs.python_input import PythonSourceInput  # it builds on InputSource
-
-        return PythonSourceInput(
-            python_sources.python_batches(x, y, sample_weight, batch_size, shuffle), repeat)
-    raise InputSourceError(
-        "fit/evaluate/predict take a kt.InputSource, a tf.data.Dataset, numpy "
-        "arrays (or lists and dicts of them), a Python generator or iterable of "
-        f"batches, or a keras.utils.PyDataset; got x of type {type(x).__name__}."
-    )

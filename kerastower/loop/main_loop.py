@@ -22,6 +22,7 @@ from kerastower import _compat
 from kerastower.callbacks.defaults import TENSORBOARD_KINDS
 from kerastower.callbacks.defaults import with_default_monitors
 from kerastower.callbacks.base import Callback as KtCallback
+from kerastower.callbacks.base import KERAS_CHIEF_ONLY
 from kerastower.errors import StrategyError
 from kerastower.loop.batch_hooks import batch_hooks
 from kerastower.loop.resume import Resumption
@@ -171,14 +172,6 @@ def announce_total_batch(strategy, verbose, tower_examples):
     _compat.print_msg(f"kerastower: {per_tower} = total batch {sum(counts)} per step")
 
 
-_KERAS_CHIEF_ONLY = (
-    keras.callbacks.TensorBoard,
-    keras.callbacks.ModelCheckpoint,
-    keras.callbacks.CSVLogger,
-    keras.callbacks.ProgbarLogger,
-)
-
-
 def callbacks_for_this_process(strategy, callbacks):
     """Drops `chief_only` callbacks on processes that are not the chief.
     Keras's callbacks that write files or print count as chief-only."""
@@ -186,7 +179,7 @@ def callbacks_for_this_process(strategy, callbacks):
         return callbacks
     return [
         cb for cb in callbacks
-        if not getattr(cb, "chief_only", isinstance(cb, _KERAS_CHIEF_ONLY))
+        if not getattr(cb, "chief_only", isinstance(cb, KERAS_CHIEF_ONLY))
     ]
 
 

@@ -1,7 +1,9 @@
 """The strategies on the JAX backend: which devices the towers run on.
 
 `kt.distributed("single")` and `kt.distributed("mirrored")` build a
-`JaxTowerStrategy`: one tower per device of a one-axis `jax.sharding.Mesh`.
+`JaxTowerStrategy` (jax_local.py): one tower per device of a one-axis
+`jax.sharding.Mesh`; `kt.distributed("multihost")` its multi-process kind
+(jax_multihost.py).
 Placing each tower's batch, reducing the gradients and making the towers'
 weights agree happen in `backend/jax/step.py`; the strategy only says where.
 
@@ -12,16 +14,17 @@ Examples:
     2
 """
 
-import contextlib
 import functools
 import re
 
 import jax
 
-from kerastower.backend.jax import step as jax_step
+from kerastower.arguments import integer
 from kerastower.errors import StrategyError
+from kerastower.strategies.jax_local import JaxTowerStrategy
+from kerastower.strategies.jax_multihost import MultiHostStrategy
 
-__all__ = ["JaxTowerStrategy", "make", "default", "use_cpu_towers", "NAMES"]
+__all__ = ["make", "default", "use_cpu_towers", "NAMES"]
 
 NAMES = ("single", "mirrored", "multihost")
 _TENSORFLOW_ONLY = {
@@ -29,54 +32,6 @@ _TENSORFLOW_ONLY = {
     "multiworker": "tf.distribute.MultiWorkerMirroredStrategy",
     "central": "tf.distribute's CentralStorageStrategy",
 }
-
-
-class JaxTowerStrategy:
-    """One tower per JAX device, all in this process."""
-
-    single_process = True
-    is_chief = True
-
-    def __init__(self, name, devices):
-        self.name = name
-        self.devices = list(devices)
-        self.mesh = jax_step.tower_mesh(self.devices)
-
-    @property
-    def num_towers(self):
-        return len(self.devices)
-
-    def scope(self):
-        # Keras variables on JAX live on the default device; each step puts
-        # the state on the towers' devices itself.
-        return contextlib.nullcontext()
-
-    def broadcast_object(self, obj):
-        return obj
-
-    def all_agree(self, flag):
-        return bool(flag)
-
-    def sum_over_processes(self, values):
-        return [int(v) for v in values]
-
-    def sync_initial_state(self, model):
-        """Nothing to do: one process, one copy of the variables."""
-
-    def seed_towers_apart(self, model):
-        """Nothing to do: each step moves tower i's seeds by i (jax_step)."""
-
-    def step_devices(self, num_towers):
-        """The devices of a step on `num_towers` towers: the first ones (a
-        pass's short last step runs on fewer)."""
-        return self.devices[:num_towers]
-
-    def agree_on_seed(self, seed):
-        """The shuffling seed every process uses: here, `seed`."""
-        return seed
-
-    def __repr__(self):
-        return f"JaxTowerStrategy({self.name!r}, towers={self.num_towers})"
 
 
 def use_cpu_towers(num_towers):
@@ -98,8 +53,6 @@ def use_cpu_towers(num_towers):
         ...     print(strategy.num_towers)
         2
     """
-    from kerastower.arguments import integer
-
     num_towers = integer(num_towers, "num_towers", "use_cpu_towers", minimum=1)
     names = [f"/cpu:{index}" for index in range(num_towers)]
     asked = max(num_towers, jax.config.jax_num_cpu_devices, _forced_host_devices())
@@ -198,9 +151,7 @@ def make(name, devices=None):
             + ", ".join(repr(n) for n in NAMES) + "."
         )
     if name == "multihost":
-        from kerastower.strategies import jax_multihost  # starts jax.distributed
-
-        return jax_multihost.MultiHostStrategy(devices)
+        return MultiHostStrategy(devices)  # starts jax.distributed
     chosen = _devices(devices, name)
     if name == "single" and len(chosen) != 1:
         raise StrategyError(

@@ -39,7 +39,7 @@ from jax.experimental import multihost_utils
 
 from kerastower.errors import DataMismatchError
 from kerastower.errors import StrategyError
-from kerastower.strategies.jax_mesh import JaxTowerStrategy
+from kerastower.strategies.jax_local import JaxTowerStrategy
 from kerastower.checkpoint.training_state import training_state
 
 __all__ = ["MultiHostStrategy", "start_distributed"]

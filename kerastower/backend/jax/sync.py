@@ -29,6 +29,7 @@ import keras
 
 from kerastower._compat import PatchGroup
 from kerastower._compat import on_jax as jax_compat
+from kerastower.backend.jax.varying import varying
 from kerastower.errors import KerasTowerError
 
 __all__ = ["synchronized_over", "moments", "SYNCHRONIZED_BATCHNORM"]
@@ -57,8 +58,6 @@ def synchronized_over(axis_name):
 
 def _each_towers_own(value):
     """`value` typed as varying over the towers' axis, while one is traced."""
-    from kerastower.backend.jax.towers import varying
-
     return value if getattr(_local, "axis", None) is None else varying(value)
 
 

@@ -39,7 +39,7 @@ from kerastower.backend.jax.towers import on_every_tower
 from kerastower.backend.jax.towers import per_tower
 from kerastower.backend.jax.towers import seed_positions
 from kerastower.backend.jax.towers import seeded_apart
-from kerastower.backend.jax.towers import varying
+from kerastower.backend.jax.varying import varying
 from kerastower.errors import nonfinite_error
 from kerastower.backend.jax.placement import AXIS
 from kerastower.backend.jax.placement import BY_TOWER

@@ -20,8 +20,9 @@ from kerastower import loss_divisors
 from kerastower import loss_reductions
 from kerastower.backend.jax import sync as jax_sync
 from kerastower.backend.jax.placement import AXIS
+from kerastower.backend.jax.varying import varying
 
-__all__ = ["on_every_tower", "sum_over_towers", "varying", "per_tower", "from_tower_0", "seed_positions", "seeded_apart", "all_finite", "sums_finite", "abs_sum",
+__all__ = ["on_every_tower", "sum_over_towers", "per_tower", "from_tower_0", "seed_positions", "seeded_apart", "all_finite", "sums_finite", "abs_sum",
            "first_nonfinite_step", "mean_over_towers"]
 
 
@@ -98,26 +99,6 @@ def mean_over_towers(gradients, weight=None):
         return [jax.lax.pmean(g, AXIS) for g in gradients]
     total = jax.lax.psum(weight, AXIS)
     return [jax.lax.psum(g * weight.astype(g.dtype), AXIS) / total.astype(g.dtype) for g in gradients]
-
-
-def _varying_axes(value):
-    aval = jax.typeof(value)
-    axis_type = getattr(aval, "manual_axis_type", None)   # JAX >= 0.9
-    return axis_type.varying if axis_type is not None else getattr(aval, "vma", frozenset())
-
-
-def varying(value, num_towers=2):
-    """`value` typed as varying over the towers: each tower's own copy.
-
-    Inside `shard_map`, the gradient of a value every tower shares comes
-    out summed over the towers; of a varying one, it is the tower's own.
-    The branches of a switch over the towers must also return values of
-    one type."""
-    if num_towers == 1 or AXIS in _varying_axes(value):
-        return value
-    if hasattr(jax.lax, "pcast"):
-        return jax.lax.pcast(value, AXIS, to="varying")
-    return jax.lax.pvary(value, AXIS)
 
 
 def per_tower(values, num_towers):

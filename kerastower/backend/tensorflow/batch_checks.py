@@ -22,7 +22,7 @@ from kerastower.backend import building
 from kerastower.errors import DataMismatchError
 from kerastower.errors import KerasTowerError
 
-__all__ = ["build_for", "checked_build", "checked_step", "original_errors"]
+__all__ = ["build_for", "checked_build", "checked_step", "computes_compiled_loss", "original_errors"]
 
 # Losses that need y of the output's shape, and those that take class indices.
 _SAME_SHAPE = {
@@ -215,14 +215,20 @@ def _y_problem(name, label, prediction, loss):
             f"y, or make the model's output {tuple(got[1:])}.")
 
 
+def computes_compiled_loss(step_function):
+    """Marks `step_function` as a tower step that computes the compiled loss
+    on y (TowerModel's own train_step and test_step, backend/tensorflow/model.py):
+    a model whose step is one has y checked against that loss."""
+    step_function.computes_compiled_loss = True
+    return step_function
+
+
 def _uses_compiled_loss(model, step):
     """Whether the step computes the compiled loss on y (not an overridden
     compute_loss or step that may use y otherwise)."""
-    from kerastower.backend.tensorflow.model import TowerModelBackend
-
     if type(model).compute_loss is not keras.Model.compute_loss:
         return False
-    return getattr(type(model), f"{step}_step") is getattr(TowerModelBackend, f"{step}_step")
+    return getattr(getattr(type(model), f"{step}_step"), "computes_compiled_loss", False)
 
 
 def problems(model, step, x, y=None, y_pred=None):

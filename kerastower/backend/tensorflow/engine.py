@@ -26,12 +26,12 @@ from kerastower.backend.tensorflow.tower_function import TowerFunctionRunner
 from kerastower.backend.tensorflow import step_calls
 from kerastower.backend.tensorflow import step_errors
 from kerastower.backend.tensorflow import xla
-from kerastower import arguments
 from kerastower.errors import StrategyError
 from kerastower.inputs import keras_order
 from kerastower.inputs import preprocessing
 from kerastower.inputs import python_sources
-from kerastower.inputs.sources import as_input_source
+from kerastower.inputs.step_failures import StepFailures
+from kerastower.inputs.as_source import as_input_source
 
 __all__ = ["TensorFlowEngine"]
 
@@ -72,7 +72,7 @@ class TensorFlowEngine(StepEngine):
         self.cache = StepCache()
         # What went wrong in the current run's steps that TensorFlow reports
         # as text only (a generator's exception, a tower's batch mismatch).
-        self.failures = step_errors.StepFailures()
+        self.failures = StepFailures()
         # Inference iterators whose every step has every tower's batch
         # (`open_inference`), held weakly: they go with their evaluation.
         self._filled_iterators = weakref.WeakSet()
@@ -108,7 +108,13 @@ class TensorFlowEngine(StepEngine):
 
     def validation_source(self, validation_data, batch_size, steps=None):
         validation_data = preprocessing.preprocessed_validation(self.model, validation_data, batch_size)
-        source = arguments.validation_source(validation_data, batch_size)
+        if isinstance(validation_data, (tuple, list)) and not isinstance(
+            validation_data[0], tf.data.Dataset
+        ):  # (x, y[, sample_weight]) arrays
+            val_x, val_y, val_w = _compat.unpack_x_y_sample_weight(tuple(validation_data))
+            source = as_input_source(val_x, val_y, val_w, batch_size)
+        else:  # a dataset or an InputSource
+            source = as_input_source(validation_data)
         if not steps:
             _check_ends(source, "fit", "validation_steps")
         return preprocessing.ready(source) if preprocessing.preprocesses(self.model) else source

@@ -73,6 +73,7 @@ class TowerModelBackend:
             return self(x, training=training)
         return self(x)
 
+    @batch_checks.computes_compiled_loss
     def train_step(self, data):
         """One tower's training step on its own batch `data`.
 
@@ -104,6 +105,7 @@ class TowerModelBackend:
         self.optimizer.apply(gradients, variables)
         return self.get_metrics_result()
 
+    @batch_checks.computes_compiled_loss
     def test_step(self, data):
         """One tower's evaluation step on its own batch `data`."""
         x, y, sample_weight = _compat.unpack_x_y_sample_weight(data)

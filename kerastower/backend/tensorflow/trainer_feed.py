@@ -17,7 +17,7 @@ class TensorFlowFeed:
     def __init__(self, input, owner):
         from kerastower._tf import tf
         from kerastower.inputs.sources import InputSource
-        from kerastower.inputs.sources import as_input_source
+        from kerastower.inputs.as_source import as_input_source
 
         if not isinstance(input, (InputSource, tf.data.Dataset)):
             raise InputSourceError(
