@@ -162,12 +162,7 @@ LAYERS = [
 ]
 
 # Imports that climb up a layer: (importer, imported): why it is left. Keep it short.
-CLIMBING_ALLOWED = {
-    ("kerastower.callbacks.saver", "kerastower.loop.preemption"):
-        "AutoResume's signal and step-grace defaults and checks (DEFAULT_SIGNALS, "
-        "signal_numbers, grace_seconds) are loop/preemption.py's; they belong below "
-        "callbacks/, but preemption.py was being changed elsewhere when the layers were drawn",
-}
+CLIMBING_ALLOWED = {}
 
 
 def _layer(module):

@@ -74,6 +74,8 @@ def _fit(model, x, y, batch_size, epochs=2):
     return model.get_weights(), history
 
 
+# k = 1 is no accumulation (Keras refuses gradient_accumulation_steps=1):
+# the equivalence matrix's cases.
 @pytest.mark.parametrize("optimizer", ["sgd", "adam"])
 @pytest.mark.parametrize("k", [2, 4])
 def test_accumulation_on_two_towers_is_one_device_on_the_joined_batch(k, optimizer):

@@ -32,7 +32,7 @@ from kerastower.callbacks.base import Callback
 from kerastower.callbacks.write_guard import write_errors
 from kerastower.errors import KerasTowerError
 from kerastower.checkpoint.resume_state import ResumeState
-from kerastower.loop import preemption
+from kerastower.callbacks import preemption_settings as preemption
 
 __all__ = ["ModelSaver", "MinSaver", "MaxSaver", "AutoResume"]
 

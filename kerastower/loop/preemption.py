@@ -47,7 +47,6 @@ Examples:
 
 import json
 import math
-import numbers
 import os
 import select
 import signal
@@ -57,19 +56,13 @@ import threading
 import time
 import warnings
 
-from kerastower.errors import ArgumentError
+from kerastower.callbacks.preemption_settings import DEFAULT_SIGNALS
+from kerastower.callbacks.preemption_settings import EXIT_STATUS
+from kerastower.callbacks.preemption_settings import STEP_GRACE_S
 
 __all__ = ["Preempted", "SignalWatch", "DEFAULT_SIGNALS", "EXIT_STATUS", "STEP_GRACE_S",
            "MARKS_VARIABLE", "StopAgreement", "report_to_launcher"]
 
-DEFAULT_SIGNALS = ("SIGTERM", "SIGUSR1")
-EXIT_STATUS = 75  # sysexits.h's EX_TEMPFAIL: a temporary failure; run it again
-# How long after the first signal the save may wait for the running step
-# (and the callbacks after it) to end: longer than most steps and an
-# epoch's validation, about as long as the longest usual kill grace (SLURM's
-# KillWait and Kubernetes' terminationGracePeriodSeconds default to 30 s,
-# AWS spot gives 2 minutes); None waits forever.
-STEP_GRACE_S = 120.0
 # A second signal within this many seconds of the first is the same notice
 # delivered twice (a scheduler signalling every process of the job while
 # horovodrun, srun or a launcher forwards its own copy), not a second one.
@@ -102,46 +95,6 @@ class Preempted(SystemExit):
         self.global_step = global_step
         self.checkpoint = checkpoint
         self.signal_name = signal_name
-
-
-def signal_numbers(signals, owner):
-    """`signals` (names like "SIGTERM", numbers or `signal.Signals`) as
-    `signal.Signals`; a KerasTowerError naming a bad one."""
-    if signals is None:
-        return []
-    if isinstance(signals, (str, int)):
-        signals = [signals]
-    chosen = []
-    for value in signals:
-        try:
-            if isinstance(value, str):
-                chosen.append(signal.Signals[value.upper()])
-            else:
-                chosen.append(signal.Signals(value))
-        except (KeyError, ValueError):
-            raise ArgumentError(
-                f"{owner}: save_on_signals holds {value!r}, which is not a signal; give "
-                "names such as 'SIGTERM', 'SIGUSR1', 'SIGINT' (or () to turn it off)."
-            ) from None
-    if signal.SIGKILL in chosen:
-        raise ArgumentError(
-            f"{owner}: SIGKILL cannot be caught; give signals such as 'SIGTERM' or 'SIGUSR1'."
-        )
-    return chosen
-
-
-def grace_seconds(value, owner):
-    """`value` (seconds, or None: wait forever) as a float; an ArgumentError
-    naming a bad one."""
-    if value is None:
-        return None
-    if (isinstance(value, bool) or not isinstance(value, numbers.Real) or math.isnan(value)
-            or value <= 0):
-        raise ArgumentError(
-            f"{owner}: step_grace_s={value!r} is not a number of seconds above 0; give how "
-            f"long a step may go on after a preemption signal (e.g. {STEP_GRACE_S:g}), or "
-            "None to wait for it however long it takes.")
-    return float(value)
 
 
 class SignalWatch:
