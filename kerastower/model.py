@@ -22,6 +22,25 @@ def train(x, y):
 Where a tower gets its batch: `model.engine.input_source` makes the
 source (kerastower/inputs/); the engine's feed takes one batch per tower
 per step and runs the tower step on it.
+
+Who owns each of `fit`'s arguments (read in `TowerModel.fit` below):
+
+- `batch_size`, `epochs`, `verbose`, `initial_epoch`, `steps_per_epoch`,
+  `validation_steps`, `validation_batch_size`, `validation_freq`: checked
+  as integers by `arguments.fit_integers` (kerastower/arguments.py).
+- `x`, `y`, `sample_weight`, `class_weight`, `validation_split`: joined
+  into examples by `arguments.fit_data`, then made a source by the engine
+  (`input_source`: `inputs/as_source.py` on TensorFlow, the JAX engine's
+  own on JAX), with `batch_size` a tower's batch and `shuffle` its order.
+- `validation_data` (and `validation_batch_size`): the engine's
+  `validation_source`; `validation_steps` and `validation_freq`: FitSteps
+  (kerastower/loop/fit_steps.py), which runs validation at an epoch's end.
+- `callbacks`, `verbose`, `logdir`: `training_callbacks`
+  (kerastower/loop/main_loop.py) adds the progress bar, History and
+  `logdir`'s writers to the user's callbacks.
+- `epochs`, `initial_epoch`, `steps_per_epoch`: `MainLoop.run`
+  (kerastower/loop/main_loop.py): an epoch is `steps_per_epoch` steps, or
+  one pass of the source without it, and only the period of the callbacks.
 """
 
 import keras
