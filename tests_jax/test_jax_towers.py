@@ -100,8 +100,10 @@ def test_the_jax_page_and_docstrings_run(tmp_path, monkeypatch):
         blocks += [b for b in re.findall(r"```python\n(.*?)```", f.read(), flags=re.S) if "kt.minimize" in b]
     for block in blocks:
         exec(compile(block, "docs/jax.md", "exec"), {"__name__": "docs_jax"})
+    from kerastower.backend.jax import optimizer_apply
+
     for module in (jax_model, jax_inputs, jax_strategies, jax_placement, event_scalars, defaults,
-                   kt.minimize, kt.Trainer):
+                   kt.minimize, kt.Trainer, optimizer_apply):
         for test in doctest.DocTestFinder().find(module):
             if test.examples:
                 result = doctest.DocTestRunner().run(test)

@@ -40,6 +40,7 @@ from kerastower import _compat
 from kerastower import loss_divisors
 from kerastower import loss_reductions
 from kerastower.backend.jax import finite_check
+from kerastower.backend.jax import optimizer_apply
 from kerastower.backend.jax import towers as jax_towers
 from kerastower.backend.jax.towers import first_nonfinite_step
 from kerastower.backend.jax.placement import AXIS
@@ -62,27 +63,6 @@ __all__ = ["AXIS", "tower_mesh", "place_tower_batches", "spans_processes", "loca
 class _TakenGradients:
     def __init__(self):
         self.gradients = None
-
-
-def _applied(optimizer, optimizer_vars, gradients, trainable, count):
-    """(new trainable values, new optimizer values): the optimizer's
-    `stateless_apply`; with gradient accumulation and a token-normalised
-    loss (its joined `count`, else None), its micro-steps weighed by their
-    tokens (`_compat.count_weighted`)."""
-    counts = _compat.loss_count_variable(optimizer) if count is not None else None
-    if counts is None or not _compat.accumulation_steps(optimizer):
-        return tuple(map(list, optimizer.stateless_apply(optimizer_vars, gradients, trainable)))
-    position = {id(v): i for i, v in enumerate(optimizer.variables)}
-
-    def read(variable):
-        return optimizer_vars[position[id(variable)]]
-
-    # `stateless_apply`'s gradients are those of the variables it was built on.
-    weighted, total = _compat.count_weighted(
-        optimizer, gradients, _compat.optimizer_variables(optimizer), count, read)
-    new_trainable, new_optimizer = map(list, optimizer.stateless_apply(optimizer_vars, weighted, trainable))
-    new_optimizer[position[id(counts)]] = total
-    return new_trainable, new_optimizer
 
 
 @contextlib.contextmanager
@@ -397,7 +377,7 @@ class TowerSteps(TowerState):
             count = jax_towers.from_tower_0([count], self.num_towers)[0]
 
         def apply(gradients):
-            return _applied(model.optimizer, optimizer_vars, gradients, trainable, count)
+            return optimizer_apply.applied(model.optimizer, optimizer_vars, gradients, trainable, count)
 
         def keep():
             return list(trainable), list(optimizer_vars)
