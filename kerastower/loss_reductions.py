@@ -27,7 +27,11 @@ Keras's reductions (`Loss(reduction=...)`) are not all means:
 
 `JOINED_REDUCTIONS` puts this into Keras's `reduce_values` while towers
 are traced, on both backends (`_compat.loss_reductions_replaced`); on one
-tower Keras's own reductions run.
+tower Keras's own reductions run. It also weighs the per-output logged
+losses (`a_loss`) of a tower by its examples where Keras, knowing no
+static batch size (TensorFlow), would count each batch once: they are then
+example-weighted over the towers, as the total loss is, on one tower or N
+and on both backends.
 """
 
 import threading
@@ -100,7 +104,20 @@ def _reduce_in_tower(keras_reduce, values, sample_weight, reduction, compiled):
     return keras_reduce(values, sample_weight, reduction)
 
 
-JOINED_REDUCTIONS = _compat.loss_reductions_replaced(_reduce_in_tower)
+def _output_loss_weight():
+    """The weight of a tower's per-output logged loss (`a_loss`) where Keras
+    knows no static batch size (TensorFlow): the tower's examples, so the
+    figure is example-weighted over the towers as the total loss is (and
+    as Keras weighs it where the size is static, JAX); None (Keras's: the
+    batch once) outside a tower."""
+    ctx = get_current_tower_context()
+    if ctx is None:
+        return None
+    examples = ctx.num_examples if ctx.batch_size is None else ctx.batch_size
+    return None if examples is None else keras.ops.cast(examples, "float32")
+
+
+JOINED_REDUCTIONS = _compat.loss_reductions_replaced(_reduce_in_tower, _output_loss_weight)
 
 _warned = weakref.WeakSet()
 _warned_lock = threading.Lock()

@@ -145,32 +145,6 @@ def _masked_compile(k=None):
                 metrics=["accuracy"])
 
 
-class _WeightsAtEachStep(keras.callbacks.Callback):
-    def __init__(self):
-        super().__init__()
-        self.weights = []
-
-    def on_train_batch_begin(self, batch, logs=None):
-        self.weights.append(self.model.get_weights())
-
-
-def _micro_step_losses(x, y, weights, micro_batch):
-    """The token mean of each micro-batch of `micro_batch` examples at the
-    weights of the step its cycle ran at: what an epoch's logged loss
-    averages with accumulation (each micro-step logs its own loss, as
-    Keras's accumulation does; the weights change once a cycle)."""
-    judge = keras.Model(*_masked_layers())
-    judge.compile(loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
-    steps, cycle = len(weights), len(x) // len(weights)
-    losses = []
-    for step in range(steps):
-        judge.set_weights(weights[step])
-        for start in range(step * cycle, (step + 1) * cycle, micro_batch):
-            end = start + micro_batch
-            losses.append(float(np.asarray(judge.test_on_batch(x[start:end], y[start:end]))))
-    return float(np.mean(losses))
-
-
 @pytest.mark.parametrize("towers,k", [(1, 2), (2, 2), (2, 4)])
 def test_accumulation_of_a_masked_loss_divides_by_the_tokens_of_all_micro_batches(towers, k):
     """The update of each cycle is one device's on its k x N x B examples,
@@ -181,19 +155,16 @@ def test_accumulation_of_a_masked_loss_divides_by_the_tokens_of_all_micro_batche
     keras.utils.set_random_seed(3)
     one = _towers(1, _masked_layers, _masked_compile())
     start = one.get_weights()
-    seen = _WeightsAtEachStep()
-    history = one.fit(x, y, batch_size=k * towers * B, epochs=1, shuffle=False, verbose=0,
-                      callbacks=[seen]).history
+    history = one.fit(x, y, batch_size=k * towers * B, epochs=2, shuffle=False, verbose=0).history
     want = one.get_weights(), history
     keras.utils.set_random_seed(3)
     many = _towers(towers, _masked_layers, _masked_compile(k))
     many.set_weights(start)
-    got = _fit(many, x, y, batch_size=B, epochs=1)
+    got = _fit(many, x, y, batch_size=B, epochs=2)
     for a, b in zip(got[0], want[0]):
         np.testing.assert_allclose(a, b, err_msg=f"{towers} towers, k={k}: weights", **TOL)
-    np.testing.assert_allclose(got[1]["accuracy"], want[1]["accuracy"], **TOL)
-    np.testing.assert_allclose(got[1]["loss"], [_micro_step_losses(x, y, seen.weights, towers * B)],
-                               **TOL)
+    for key in ("loss", "accuracy"):
+        np.testing.assert_allclose(got[1][key], want[1][key], err_msg=key, **TOL)
 
 
 def test_keras_own_accumulation_is_not_the_joined_batch_for_a_masked_loss():

@@ -21,6 +21,9 @@ from kerastower._compat.accumulation import accumulation_steps
 from kerastower._compat.accumulation import count_weighted
 from kerastower._compat.accumulation import keep_loss_counts
 from kerastower._compat.accumulation import loss_count_variable
+from kerastower._compat.accumulation import loss_log_variable
+from kerastower._compat.accumulation import tracker_sums
+from kerastower._compat.accumulation import cycle_logged_loss
 from kerastower._compat.patches import PatchGroup
 from kerastower._compat.patches import ScopedPatch
 from kerastower._compat.patches import gradients_already_reduced
@@ -39,7 +42,8 @@ from kerastower._compat.required import require
 __all__ = ["TESTED", "TESTED_ON_JAX", "require", "tower_patches", "ScopedPatch", "PatchGroup",
            "stock_fit_checked", "graph_reset_wrapped", "gradients_already_reduced", "is_reducing", "masked_losses_divided_by",
            "loss_reductions_replaced", "accumulation_steps", "accumulate_or_apply", "count_weighted",
-           "keep_loss_counts", "loss_count_variable"]
+           "keep_loss_counts", "loss_count_variable", "loss_log_variable", "tracker_sums",
+           "cycle_logged_loss"]
 
 # -- a concrete function called with its arguments bound once ------------------
 

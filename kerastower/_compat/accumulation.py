@@ -11,6 +11,9 @@ so a checkpoint of the optimizer holds its progress. Two things are added:
   the k micro-steps' own token means (Keras's average; transformers #34191).
   The counts of a cycle so far are one more optimizer variable,
   `accumulated_loss_count` (`keep_loss_counts`), saved with the others.
+- `cycle_logged_loss`: the same cycle's logged loss, one device's on the
+  joined k x N x B examples (the cycle's token mean, counted once for all
+  its examples), kept in one more variable, `accumulated_loss_log`.
 """
 
 import functools
@@ -24,9 +27,10 @@ from kerastower._compat.required import _missing
 from kerastower._compat.required import require
 
 __all__ = ["accumulation_steps", "accumulate_or_apply", "keep_loss_counts", "loss_count_variable",
-           "count_weighted"]
+           "count_weighted", "loss_log_variable", "tracker_sums", "cycle_logged_loss"]
 
 LOSS_COUNT_NAME = "accumulated_loss_count"
+LOSS_LOG_NAME = "accumulated_loss_log"
 
 
 def _no_output(*_):
@@ -189,9 +193,10 @@ def accumulate_or_apply(optimizer, apply, gradients, variables, finite=None, ass
 
 def keep_loss_counts(optimizer):
     """Makes an optimizer with gradient accumulation keep its cycle's loss
-    counts so far, in one more optimizer variable made when it is built
-    (now, where it is built already): what `count_weighted` reads. Other
-    optimizers are left as they are."""
+    counts so far and what its cycle logged, in two more optimizer
+    variables made when it is built (now, where it is built already): what
+    `count_weighted` and `cycle_logged_loss` read. Other optimizers are
+    left as they are."""
     if not accumulation_steps(optimizer) or isinstance(optimizer, keras.optimizers.LossScaleOptimizer):
         return
     if optimizer.built:
@@ -213,12 +218,33 @@ def keep_loss_counts(optimizer):
 def _add_loss_count(optimizer):
     if loss_count_variable(optimizer) is None:
         optimizer.add_variable(shape=(), initializer="zeros", dtype="float32", name=LOSS_COUNT_NAME)
+    if loss_log_variable(optimizer) is None:
+        optimizer.add_variable(shape=(3,), initializer="zeros", dtype="float32", name=LOSS_LOG_NAME)
+
+
+def _named(optimizer, name):
+    found = [v for v in optimizer.variables if v.name == name]
+    return found[0] if found else None
 
 
 def loss_count_variable(optimizer):
     """The optimizer's `accumulated_loss_count` variable, or None."""
-    found = [v for v in optimizer.variables if v.name == LOSS_COUNT_NAME]
-    return found[0] if found else None
+    return _named(optimizer, LOSS_COUNT_NAME)
+
+
+def loss_log_variable(optimizer):
+    """The optimizer's `accumulated_loss_log` variable (what its cycle so
+    far logged: the summed token losses, the tokens, the examples), or None."""
+    return _named(optimizer, LOSS_LOG_NAME)
+
+
+def tracker_sums(tracker):
+    """(total, count): the variables of a `keras.metrics.Mean` (the model's
+    loss tracker), which `cycle_logged_loss` corrects."""
+    for name in ("total", "count"):
+        if not isinstance(getattr(tracker, name, None), keras.Variable):
+            raise _missing(f"{type(tracker).__name__}.{name} (a keras.metrics.Mean's variable)")
+    return tracker.total, tracker.count
 
 
 def count_weighted(optimizer, gradients, variables, count, read=None):
@@ -248,3 +274,36 @@ def count_weighted(optimizer, gradients, variables, count, read=None):
         applied = (accumulated + scaled) * keras.ops.cast(steps / total, gradient.dtype) - accumulated
         weighted.append(keras.ops.where(last, applied, scaled))
     return weighted, keras.ops.where(last, keras.ops.zeros_like(total), total)
+
+
+def cycle_logged_loss(optimizer, step, count, read=None):
+    """(what to add to the loss tracker's total, the new value of the
+    optimizer's `accumulated_loss_log`), for a micro-step whose
+    token-normalised loss divided by `count` (joined over the towers).
+
+    `step`: this micro-step's [its addition to the tracker's total, to its
+    count (its examples), the tracker's count before it], each summed over
+    the towers. One device on the k x N x B joined examples logs a cycle
+    once, as its token mean `sum_j count_j * loss_j / sum_j count_j` times
+    its examples; each micro-step adds its own token mean. The correction
+    makes the tracker hold, for the cycle so far, its token mean times its
+    examples so far: at the cycle's end, one device's figure. A tracker
+    reset within a cycle (a new epoch) starts the cycle's log again, from
+    the micro-steps it holds."""
+    read = read or (lambda variable: variable.value)
+    steps = accumulation_steps(optimizer)
+    counter, _ = _accumulation_state(optimizer, [])
+    log = read(loss_log_variable(optimizer))
+    added, examples, before = step[0], step[1], step[2]
+    held = keras.ops.greater_equal(before, log[2])   # else: reset since
+    losses, tokens, seen = (keras.ops.where(held, value, keras.ops.zeros_like(value))
+                            for value in (log[0], log[1], log[2]))
+    count = keras.ops.cast(count, log.dtype)
+    mean = keras.ops.divide_no_nan(added, examples)
+    new_losses, new_tokens, new_seen = losses + count * mean, tokens + count, seen + examples
+    was = seen * keras.ops.divide_no_nan(losses, tokens)
+    now = keras.ops.where(new_tokens > 0, new_seen * keras.ops.divide_no_nan(new_losses, new_tokens),
+                          was + added)
+    last = keras.ops.equal((read(counter) + 1) % steps, 0)
+    new_log = keras.ops.stack([new_losses, new_tokens, new_seen])
+    return now - was - added, keras.ops.where(last, keras.ops.zeros_like(new_log), new_log)

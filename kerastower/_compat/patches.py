@@ -194,23 +194,27 @@ def masked_losses_divided_by(divisor):
     return ScopedPatch(lambda: require("keras.src.losses", "loss"), "apply_mask", divided)
 
 
-def loss_reductions_replaced(reduce):
-    """A `PatchGroup` of Keras's `losses.loss.reduce_values` and of
-    `CompileLoss.call`: while entered, a Keras loss reduces its values as
+def loss_reductions_replaced(reduce, output_weight):
+    """A `PatchGroup` of Keras's `losses.loss.reduce_values`, of
+    `CompileLoss.call` and of `metrics.Mean.update_state`: while entered, a
+    Keras loss reduces its values as
     `reduce(keras_reduce, values, sample_weight, reduction, compiled)`,
     `keras_reduce` being Keras's own and `compiled` whether the loss is a
     component of the compiled loss (called by `CompileLoss.call` in this
-    thread), whose reductions and sum kerastower knows."""
+    thread), whose reductions and sum kerastower knows; and the compiled
+    loss's per-output trackers (`a_loss`), which Keras weighs by the
+    batch's static size, weigh a batch whose static size is unknown by
+    `output_weight()` (None: as Keras, once)."""
     local = threading.local()
 
     def marking(original):
         def call(self, *args, **kwargs):
-            depth = getattr(local, "depth", 0)
-            local.depth = depth + 1
+            depth, trackers = getattr(local, "depth", 0), getattr(local, "trackers", ())
+            local.depth, local.trackers = depth + 1, tuple(self.metrics)
             try:
                 return original(self, *args, **kwargs)
             finally:
-                local.depth = depth
+                local.depth, local.trackers = depth, trackers
         return call
 
     def replaced(original):
@@ -218,9 +222,17 @@ def loss_reductions_replaced(reduce):
             return reduce(original, values, sample_weight, reduction, getattr(local, "depth", 0) > 0)
         return reduce_values
 
+    def weighed(original):
+        def update_state(self, values, sample_weight=None):
+            if sample_weight is None and any(self is t for t in getattr(local, "trackers", ())):
+                sample_weight = output_weight()
+            return original(self, values, sample_weight=sample_weight)
+        return update_state
+
     return PatchGroup([
         ScopedPatch(lambda: require("keras.src.losses", "loss"), "reduce_values", replaced),
         ScopedPatch(lambda: require("keras.src.trainers.compile_utils", "CompileLoss"), "call", marking),
+        ScopedPatch(lambda: require("keras.src.metrics.reduction_metrics", "Mean"), "update_state", weighed),
     ])
 
 

@@ -2,7 +2,8 @@
 
 With gradient accumulation and a token-normalised loss, the micro-steps are
 weighed by their joined token counts first (`_compat.count_weighted`), so
-the k-th applies the gradient of all k micro-steps' tokens.
+the k-th applies the gradient of all k micro-steps' tokens, and the loss
+they log is made the cycle's joined token mean (`cycle_logged`).
 
 Example:
     >>> import jax.numpy as jnp, keras
@@ -16,9 +17,12 @@ Example:
     [0.5, 0.5]
 """
 
-from kerastower import _compat
+import jax.numpy as jnp
 
-__all__ = ["applied"]
+from kerastower import _compat
+from kerastower.backend.jax import towers as jax_towers
+
+__all__ = ["applied", "cycle_logged", "with_cycle_logged"]
 
 
 def applied(optimizer, optimizer_vars, gradients, trainable, count):
@@ -40,3 +44,39 @@ def applied(optimizer, optimizer_vars, gradients, trainable, count):
     new_trainable, new_optimizer = map(list, optimizer.stateless_apply(optimizer_vars, weighted, trainable))
     new_optimizer[position[id(counts)]] = total
     return new_trainable, new_optimizer
+
+
+def cycle_logged(model, optimizer_vars, metrics_before, metrics, count, num_towers):
+    """(this tower's metric values with the loss tracker's total corrected,
+    the new value of what the cycle logged), for a micro-step of gradient
+    accumulation with a token-normalised loss of joined `count`
+    (`_compat.cycle_logged_loss`); (`metrics`, None) otherwise. Inside the
+    towers' shard_map: each tower adds its share of the correction (the
+    towers' metric values are summed for the logs)."""
+    optimizer = model.optimizer
+    logged = _compat.loss_log_variable(optimizer) if count is not None else None
+    if logged is None:
+        return metrics, None
+    position = {id(v): i for i, v in enumerate(model.metrics_variables)}
+    total, seen = (position[id(v)] for v in _compat.tracker_sums(_compat.loss_tracker(model)))
+    step = jnp.stack([metrics[total] - metrics_before[total], metrics[seen] - metrics_before[seen],
+                      metrics_before[seen]]).astype("float32")
+    summed = jax_towers.sum_over_towers(num_towers)
+    step = step if summed is None else summed(step)
+    optimizer_position = {id(v): i for i, v in enumerate(optimizer.variables)}
+    correction, value = _compat.cycle_logged_loss(
+        optimizer, step, count, lambda variable: optimizer_vars[optimizer_position[id(variable)]])
+    metrics = list(metrics)
+    metrics[total] = metrics[total] + (correction / num_towers).astype(metrics[total].dtype)
+    return metrics, value
+
+
+def with_cycle_logged(optimizer, optimizer_vars, value):
+    """The optimizer's new values with what the cycle logged (`cycle_logged`'s
+    value; None: unchanged)."""
+    if value is None:
+        return optimizer_vars
+    optimizer_vars = list(optimizer_vars)
+    index = [i for i, v in enumerate(optimizer.variables) if v is _compat.loss_log_variable(optimizer)][0]
+    optimizer_vars[index] = value
+    return optimizer_vars

@@ -372,9 +372,12 @@ class TowerSteps(TowerState):
         elif self.check_finite and not self.jitted:
             checked = finite_check.CheckedGradients.of(gradients)
 
+        logged = None
         if count is not None and _compat.accumulation_steps(model.optimizer):
             # The same on every tower, but out of each tower's branch.
             count = jax_towers.from_tower_0([count], self.num_towers)[0]
+            metrics, logged = optimizer_apply.cycle_logged(
+                model, optimizer_vars, [m[0] for m in tower_metrics], metrics, count, self.num_towers)
 
         def apply(gradients):
             return optimizer_apply.applied(model.optimizer, optimizer_vars, gradients, trainable, count)
@@ -413,6 +416,7 @@ class TowerSteps(TowerState):
             # copy away: XLA:CPU drops it before placing its buffers.
             new_trainable, new_optimizer = jax.lax.cond(going, lambda: apply(gradients), keep)
             finite = flags = jnp.asarray(True)
+        new_optimizer = optimizer_apply.with_cycle_logged(model.optimizer, new_optimizer, logged)
         non_trainable = jax_towers.from_tower_0(non_trainable, self.num_towers)
         metrics = [m[None] for m in metrics]
         if self.check_finite:

@@ -208,7 +208,8 @@ def apply_in_tower(optimizer, keras_apply, gradients, variables=None):
             if count is not None and _compat.loss_count_variable(optimizer) is not None:
                 # A token-normalised loss: micro-steps weighed by their tokens.
                 reduced, counts = _compat.count_weighted(optimizer, reduced, variables, count)
-                assign = [(_compat.loss_count_variable(optimizer), counts)]
+                assign = [(_compat.loss_count_variable(optimizer), counts),
+                          *_cycle_logged(ctx, optimizer, count)]
             _compat.accumulate_or_apply(optimizer, lambda grads: keras_apply(optimizer, grads, variables),
                                         reduced, variables, finite, assign)
             return
@@ -219,6 +220,22 @@ def apply_in_tower(optimizer, keras_apply, gradients, variables=None):
         finite = nonfinite.all_finite(reduced)
         nonfinite.record(ctx, finite, weighted)
         _compat.apply_if(finite, lambda grads: keras_apply(optimizer, grads, variables), reduced)
+
+
+def _cycle_logged(ctx, optimizer, count):
+    """The loss tracker's total made one device's on the cycle's joined
+    examples (`_compat.cycle_logged_loss`); returns the (variable, value)
+    pair of what the cycle logged, to assign with the accumulators. Each
+    tower adds its share of the correction to its own part of the total
+    (the tracker's variables sum over the towers on reading)."""
+    noted = getattr(ctx, "loss_log", None)
+    if noted is None or noted[0] is not optimizer:
+        return []
+    _, (total, seen), (total_before, seen_before) = noted
+    step = tf.stack([total.value - total_before, seen.value - seen_before, seen_before])
+    correction, logged = _compat.cycle_logged_loss(optimizer, loss_divisors.global_sum(step), count)
+    total.assign_add(correction / ctx.total)
+    return [(_compat.loss_log_variable(optimizer), logged)]
 
 
 # Whether sparse gradients reach the optimizer with each index once (the

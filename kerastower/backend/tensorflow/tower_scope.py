@@ -56,6 +56,8 @@ def tower_scope(model, is_training, step_name, name=None, examples=None, equal_b
     with gradients.TOWER_PATCHES, loss_divisors.MASKED_LOSSES, loss_reductions.JOINED_REDUCTIONS, \
             ctx, tf.summary.record_if(ctx.is_main_tower), forbid_variable_creation(step_name):
         kept = _kept_for_a_nonfinite_step(model, ctx) if is_training else None
+        if is_training:
+            _note_loss_tracker(model, ctx)
         yield ctx
         if is_training:
             loss_reductions.warn_if_unseen(model, ctx)
@@ -63,6 +65,18 @@ def tower_scope(model, is_training, step_name, name=None, examples=None, equal_b
             _put_back_unless_finite(ctx, kept)
         if is_training:
             _follow_main_tower(model, ctx)
+
+
+def _note_loss_tracker(model, ctx):
+    """With gradient accumulation of a token-normalised loss: the loss
+    tracker's variables and this tower's values of them before the step,
+    from which `optimizer.apply` corrects what the micro-step logged
+    (`_compat.cycle_logged_loss`)."""
+    optimizer = getattr(model, "optimizer", None)
+    if optimizer is None or _compat.loss_log_variable(optimizer) is None:
+        return
+    sums = _compat.tracker_sums(_compat.loss_tracker(model))
+    ctx.loss_log = (optimizer, sums, [tf.identity(v.value) for v in sums])
 
 
 def _replica_local_weights(model):
