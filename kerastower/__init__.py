@@ -55,6 +55,7 @@ from kerastower.trainers import Trainer
 from kerastower.trainers import minimize
 
 if not _on_jax():
+    from kerastower.strategies import tf_backend as _tf_backend  # registers what kt.distributed needs of TF
     from kerastower.strategies import mirrored as _mirrored  # registers "single", "mirrored", "central"
     from kerastower.strategies import horovod as _horovod  # registers "horovod"; imports Horovod only when used
     from kerastower.strategies import multiworker as _multiworker  # registers "multiworker"
@@ -65,7 +66,7 @@ if not _on_jax():
     from kerastower.inputs.sources import InputSource
     from kerastower.inputs.sources import TowerInputContext
 else:
-    from kerastower.strategies.jax_mesh import use_cpu_towers
+    from kerastower.strategies.jax_mesh import use_cpu_towers  # registers JAX's strategies
 
 # What only the TensorFlow backend has, and what to use on JAX instead.
 _TENSORFLOW_ONLY = {

@@ -253,7 +253,8 @@ REVIEWED_MODULE_STATE = {
     ("kerastower.backend.tensorflow.gradients", "_retrying"),
     # Registries filled at import, and warn-once memories.
     ("kerastower.strategies.switch", "_REGISTRY"),
-    ("kerastower.strategies.switch", "_warned_stock_models"),  # weak: models die with their users
+    ("kerastower.strategies.switch", "_BACKENDS"),
+    ("kerastower.strategies.tf_backend", "_warned_stock_models"),  # weak: models die with their users
     ("kerastower.backend.tensorflow.xla", "_warned"),
     ("kerastower.loss_reductions", "_warned"),  # weak: the models warned about an unseen reduction
     ("kerastower.functional", "_FUNCTIONAL_TWINS"),

@@ -78,7 +78,7 @@ def test_register_strategy_adds_a_name():
         with kt.distributed("two_cpus") as strategy:
             assert strategy.num_towers == 2
     finally:
-        kt.strategies._REGISTRY.pop("two_cpus")
+        kt.strategies.switch._REGISTRY["tensorflow"].pop("two_cpus")
 
 
 def test_non_finite_check_sees_the_reduced_gradient(two_towers):
@@ -146,11 +146,11 @@ def test_a_strategy_only_places_reduces_and_broadcasts():
     `next_step`, which kerastower no longer calls, is refused at once rather
     than silently skipped."""
     with pytest.raises(kt.StrategyError, match="next_step.*any_process_has"):
-        class OldStyle(kt.TowerStrategy):
+        class OldStyle(kt.strategies.TFDistributeStrategy):
             def next_step(self, iterator, endless=False):
                 return None
     with pytest.warns(DeprecationWarning, match="place_input"):
-        class OldPlacing(kt.TowerStrategy):
+        class OldPlacing(kt.strategies.TFDistributeStrategy):
             def distribute(self, dataset_fn, per_tower):
                 return ("placed by", per_tower)
     assert OldPlacing("old", None).place_input(None, True) == ("placed by", True)

@@ -27,7 +27,7 @@ import tensorflow as tf
 
 from kerastower.backend.tensorflow import collectives
 from kerastower.errors import StrategyError
-from kerastower.strategies.base import TowerStrategy
+from kerastower.strategies.tf_distribute import TFDistributeStrategy
 from kerastower.strategies.switch import register_strategy
 from kerastower.checkpoint.training_state import training_state
 
@@ -47,7 +47,7 @@ def _import_horovod():
     return hvd
 
 
-class HorovodStrategy(TowerStrategy):
+class HorovodStrategy(TFDistributeStrategy):
     """One tower per Horovod process; collectives through Horovod's TF ops."""
 
     single_process = False

@@ -5,47 +5,38 @@ JAX (jax_mesh.py chooses the devices), and the base of "multihost"'s
 strategy (jax_multihost.py).
 """
 
-import contextlib
-
 from kerastower.backend.jax.placement import tower_mesh
+from kerastower.strategies.base import TowerStrategy
 
 __all__ = ["JaxTowerStrategy"]
 
 
-class JaxTowerStrategy:
-    """One tower per JAX device, all in this process."""
+class JaxTowerStrategy(TowerStrategy):
+    """One tower per JAX device, all in this process.
 
-    single_process = True
-    is_chief = True
+    Keras's variables on JAX live on the default device (`scope` is none);
+    each step puts the state on the towers' devices and moves tower i's
+    seeds by i itself (backend/jax/step.py).
+
+    Args:
+        name: the registry name this strategy was made from.
+        devices: the towers' `jax.Device`s, tower 0 first.
+
+    Examples:
+        >>> import jax
+        >>> from kerastower.strategies.jax_local import JaxTowerStrategy
+        >>> JaxTowerStrategy("mine", jax.devices()[:2])
+        JaxTowerStrategy('mine', towers=2)
+    """
 
     def __init__(self, name, devices):
-        self.name = name
+        super().__init__(name)
         self.devices = list(devices)
         self.mesh = tower_mesh(self.devices)
 
     @property
     def num_towers(self):
         return len(self.devices)
-
-    def scope(self):
-        # Keras variables on JAX live on the default device; each step puts
-        # the state on the towers' devices itself.
-        return contextlib.nullcontext()
-
-    def broadcast_object(self, obj):
-        return obj
-
-    def all_agree(self, flag):
-        return bool(flag)
-
-    def sum_over_processes(self, values):
-        return [int(v) for v in values]
-
-    def sync_initial_state(self, model):
-        """Nothing to do: one process, one copy of the variables."""
-
-    def seed_towers_apart(self, model):
-        """Nothing to do: each step moves tower i's seeds by i (jax_step)."""
 
     def step_devices(self, num_towers):
         """The devices of a step on `num_towers` towers: the first ones (a
@@ -55,6 +46,3 @@ class JaxTowerStrategy:
     def agree_on_seed(self, seed):
         """The shuffling seed every process uses: here, `seed`."""
         return seed
-
-    def __repr__(self):
-        return f"JaxTowerStrategy({self.name!r}, towers={self.num_towers})"

@@ -3,7 +3,10 @@
 `kt.distributed("single")` and `kt.distributed("mirrored")` build a
 `JaxTowerStrategy` (jax_local.py): one tower per device of a one-axis
 `jax.sharding.Mesh`; `kt.distributed("multihost")` its multi-process kind
-(jax_multihost.py).
+(jax_multihost.py). Importing this module registers those names, and what
+`kt.distributed` needs of JAX besides (switch.py): one tower on the first
+device outside every block, and an open block admitting synchronized
+BatchNormalization (backend/jax/sync.py).
 Placing each tower's batch, reducing the gradients and making the towers'
 weights agree happen in `backend/jax/step.py`; the strategy only says where.
 
@@ -20,7 +23,9 @@ import re
 import jax
 
 from kerastower.arguments import integer
+from kerastower.backend.jax import sync
 from kerastower.errors import StrategyError
+from kerastower.strategies import switch
 from kerastower.strategies.jax_local import JaxTowerStrategy
 from kerastower.strategies.jax_multihost import MultiHostStrategy
 
@@ -139,12 +144,7 @@ def _devices(devices, name):
 def make(name, devices=None):
     """The `JaxTowerStrategy` that `kt.distributed(name, devices)` names."""
     if name in _TENSORFLOW_ONLY:
-        raise StrategyError(
-            f'kt.distributed({name!r}) needs {_TENSORFLOW_ONLY[name]}, which the JAX '
-            'backend does not have. On JAX use "mirrored" (every local device) or '
-            '"multihost" (every device of every process, on jax.distributed), or run with '
-            "KERAS_BACKEND=tensorflow."
-        )
+        raise StrategyError(_tensorflow_only_hint(name))
     if name not in NAMES:
         raise StrategyError(
             f"Unknown strategy {name!r} on the JAX backend. Valid names: "
@@ -167,3 +167,18 @@ def make(name, devices=None):
 def default():
     """One tower on the first local device: what runs outside kt.distributed."""
     return JaxTowerStrategy("single", jax.local_devices()[:1])
+
+
+def _tensorflow_only_hint(name):
+    return (f'kt.distributed({name!r}) needs {_TENSORFLOW_ONLY[name]}, which the JAX backend does '
+            'not have. On JAX use "mirrored" (every local device) or "multihost" (every device of '
+            'every process, on jax.distributed), or run with KERAS_BACKEND=tensorflow.')
+
+
+switch.register_backend("jax", switch.BackendStrategies(
+    default=default,
+    block_patches=sync.SYNCHRONIZED_BATCHNORM,
+    hints={name: _tensorflow_only_hint(name) for name in _TENSORFLOW_ONLY},
+))
+for _name in NAMES:
+    switch.register_strategy(_name, functools.partial(make, _name), backend="jax")

@@ -7,7 +7,7 @@ Importing this module registers them with `kt.distributed`.
 from kerastower._tf import tf
 from kerastower.strategies.devices import local_devices
 from kerastower.errors import StrategyError
-from kerastower.strategies.base import TowerStrategy
+from kerastower.strategies.tf_distribute import TFDistributeStrategy
 from kerastower.strategies.switch import register_strategy
 
 __all__ = []
@@ -23,14 +23,14 @@ def _default_devices():
 
 def _make_single(devices):
     if devices is None:
-        return TowerStrategy("single", tf.distribute.get_strategy())
+        return TFDistributeStrategy("single", tf.distribute.get_strategy())
     devices = local_devices(devices, "single")
     if len(devices) != 1:
         raise StrategyError(
             f'"single" runs one tower on one device; got devices={devices}. '
             'Use "mirrored" for several devices.'
         )
-    return TowerStrategy("single", tf.distribute.OneDeviceStrategy(devices[0]))
+    return TFDistributeStrategy("single", tf.distribute.OneDeviceStrategy(devices[0]))
 
 
 def _make_mirrored(devices):
@@ -39,7 +39,7 @@ def _make_mirrored(devices):
     if not any("GPU" in d.upper() for d in devices):
         # NCCL needs GPUs; on CPU devices a plain reduction is the only choice.
         cross_ops = tf.distribute.ReductionToOneDevice()
-    return TowerStrategy(
+    return TFDistributeStrategy(
         "mirrored",
         tf.distribute.MirroredStrategy(devices, cross_device_ops=cross_ops),
     )

@@ -28,7 +28,7 @@ import tensorflow as tf
 
 from kerastower.backend.tensorflow import collectives
 from kerastower.errors import StrategyError
-from kerastower.strategies.base import TowerStrategy
+from kerastower.strategies.tf_distribute import TFDistributeStrategy
 from kerastower.strategies.switch import register_strategy
 from kerastower.checkpoint.training_state import training_state
 
@@ -49,7 +49,7 @@ def worker_shard(dataset, workers, worker, local_towers):
     return grouped.map(lambda _, element: element)
 
 
-class MultiWorkerStrategy(TowerStrategy):
+class MultiWorkerStrategy(TFDistributeStrategy):
     """Towers on the devices of several worker processes, via collectives."""
 
     def __init__(self, devices=None):

@@ -10,83 +10,158 @@ def train():
     model.fit(kt.DatasetInput(dataset), epochs=2)
 ```
 
-`kt.distributed(...)` is also a context manager. The strategies register
-their names with `register_strategy`: mirrored.py ("single", "mirrored"),
-horovod.py, multiworker.py; on JAX, jax_mesh.py makes them.
-`current_strategy()` is the one in effect, which models are created under.
+`kt.distributed(...)` is also a context manager. One registry serves both
+backends: each backend's strategy modules register their names with
+`register_strategy` (TensorFlow: mirrored.py "single", "mirrored",
+"central", horovod.py, multiworker.py; JAX: jax_mesh.py "single",
+"mirrored", "multihost") and, with `register_backend`, what a block needs
+of that backend besides: the strategy outside every block, the patches an
+open block holds, how devices are checked. `_running()` is the one place
+here that asks which backend Keras runs. `current_strategy()` is the
+strategy in effect, which models are created under.
 """
 
 import functools
 import threading
 import warnings
-import weakref
 
 import keras
 
-from kerastower._tf import tf
-from kerastower import _compat
 from kerastower.errors import StrategyError
-from kerastower.strategies.base import TowerStrategy
-from kerastower.strategies.devices import parse_devices
 
 __all__ = [
     "distributed",
     "register_strategy",
+    "register_backend",
+    "BackendStrategies",
     "strategy_names",
     "current_strategy",
     "is_explicit",
+    "open_blocks",
 ]
 
+_BACKEND_NAMES = ("tensorflow", "jax")
 
-# Filled by the modules that make strategies: mirrored.py ("single",
-# "mirrored", "central"), horovod.py and multiworker.py.
-_REGISTRY = {}
+# name -> factory, per backend: filled by the modules that make strategies.
+_REGISTRY = {backend: {} for backend in _BACKEND_NAMES}
 
 
-def register_strategy(name, factory):
-    """Makes `kt.distributed(name)` build `factory(devices)`.
+class BackendStrategies:
+    """What `kt.distributed` needs of a backend besides its named strategies.
+
+    Registered once per backend by its strategy modules (`register_backend`).
 
     Args:
-        name: the string users pass to `kt.distributed`.
-        factory: `factory(devices)` returning a `TowerStrategy`; `devices` is
-            the list the user gave, or None.
+        default: `default()`, the strategy in effect outside every block.
+        block_patches: what an open block holds entered (a context manager
+            entered and left by every block; nested blocks share it).
+        scope_entered: `scope_entered()`, whether the user entered the
+            backend's own strategy scope (a `tf.distribute` one) outside
+            kerastower; default: never.
+        checked_devices: `checked_devices(devices, name)`, the devices as a
+            block keeps them, raising `StrategyError` at once on a bad one;
+            default: kept as given (the strategy checks them when made).
+        hints: {name: sentence} for the names other backends have, said
+            when one is asked for here.
+
+    Examples:
+        >>> import contextlib
+        >>> from kerastower.strategies.switch import BackendStrategies
+        >>> entry = BackendStrategies(default=lambda: None, block_patches=contextlib.nullcontext())
+        >>> entry.checked_devices(["a"], "mine"), entry.scope_entered()
+        (['a'], False)
+    """
+
+    def __init__(self, default, block_patches, scope_entered=None, checked_devices=None, hints=None):
+        self.default = default
+        self.block_patches = block_patches
+        self.scope_entered = scope_entered or (lambda: False)
+        self.checked_devices = checked_devices or (lambda devices, name: devices)
+        self.hints = dict(hints or {})
+
+
+_BACKENDS = {}
+
+
+def register_backend(backend, strategies):
+    """Registers `strategies` (a `BackendStrategies`) as `backend`'s: done
+    once by each backend's strategy modules, when kerastower is imported."""
+    _BACKENDS[_checked_backend(backend)] = strategies
+
+
+def _checked_backend(backend):
+    if backend not in _BACKEND_NAMES:
+        raise StrategyError(
+            f"backend must be one of {', '.join(map(repr, _BACKEND_NAMES))} (Keras's backend "
+            f"names); got {backend!r}.")
+    return backend
+
+
+def _running_backend():
+    """The name of the backend Keras runs: the one place kt.distributed asks."""
+    return keras.backend.backend()
+
+
+def _running():
+    """The `BackendStrategies` of the backend Keras runs."""
+    backend = _running_backend()
+    if backend not in _BACKENDS:
+        raise StrategyError(
+            f"kerastower has no strategies for Keras's {backend!r} backend: it runs on "
+            f"{' and '.join(_BACKEND_NAMES)}. Set KERAS_BACKEND to one of them before "
+            "Keras is imported.")
+    return _BACKENDS[backend]
+
+
+def _on_jax():
+    """Whether Keras runs on JAX: for kerastower/__init__.py, which imports
+    each backend's own modules."""
+    return _running_backend() == "jax"
+
+
+def register_strategy(name, factory, backend=None):
+    """Adds `name` to the strategies `kt.distributed` accepts.
+
+    Args:
+        name: the name `kt.distributed(name)` takes.
+        factory: `factory(devices)` returning a `kt.TowerStrategy` (on
+            TensorFlow a `kt.strategies.TFDistributeStrategy`, on JAX a
+            `kerastower.strategies.jax_local.JaxTowerStrategy`); `devices`
+            is what `kt.distributed` was given (None: the default devices).
+        backend: "tensorflow" or "jax", the backend the name is for;
+            default: the one Keras runs.
 
     Examples:
         >>> import tensorflow as tf, kerastower as kt
         >>> def first_cpu(devices):
-        ...     return kt.TowerStrategy("first_cpu", tf.distribute.OneDeviceStrategy("/cpu:0"))
-        >>> kt.register_strategy("first_cpu", first_cpu)
+        ...     return kt.strategies.TFDistributeStrategy("first_cpu", tf.distribute.OneDeviceStrategy("/cpu:0"))
+        >>> kt.register_strategy("first_cpu", first_cpu, backend="tensorflow")
         >>> with kt.distributed("first_cpu") as strategy:
         ...     print(strategy.num_towers)
         1
     """
     if not isinstance(name, str) or not name:
         raise StrategyError(f"A strategy name must be a non-empty str; got {name!r}.")
-    _REGISTRY[name] = factory
+    if not callable(factory):
+        raise StrategyError(
+            f"register_strategy({name!r}, factory): factory must be callable as "
+            f"factory(devices), returning a kt.TowerStrategy; got {factory!r}.")
+    backend = _running_backend() if backend is None else backend
+    _REGISTRY[_checked_backend(backend)][name] = factory
 
 
 def strategy_names():
-    """The names `kt.distributed` accepts, sorted.
+    """The names `kt.distributed` accepts on the backend Keras runs, sorted.
 
     Examples:
         >>> import kerastower as kt
-        >>> {"single", "mirrored", "horovod", "multiworker"} <= set(kt.strategy_names())
+        >>> {"single", "mirrored"} <= set(kt.strategy_names())
         True
     """
-    return sorted(_REGISTRY)
+    return sorted(_REGISTRY.get(_running_backend(), {}))
 
 
 _local = threading.local()
-
-
-def _on_jax():
-    return keras.backend.backend() == "jax"
-
-
-def _jax_strategies():
-    from kerastower.strategies import jax_mesh as jax_strategies  # imports JAX: only on that backend
-
-    return jax_strategies
 
 
 class _OpenBlock:
@@ -101,7 +176,7 @@ class _OpenBlock:
         self.scope = scope
 
 
-def _open_blocks():
+def open_blocks():
     """This thread's open `kt.distributed` blocks, outermost first."""
     if not hasattr(_local, "stack"):
         _local.stack = []
@@ -109,44 +184,23 @@ def _open_blocks():
 
 
 def _active():
-    return [block.strategy for block in _open_blocks()]
-
-
-def _reenter_scopes(reset_graph):
-    """Runs `reset_graph()` (TensorFlow's `reset_default_graph`, which
-    `keras.backend.clear_session()` calls, keras-tuner before every trial)
-    with this thread's open blocks kept: their strategy scopes, which live on
-    the default graph, are left before the reset and entered again after, so
-    what is built next is built under the block's strategy, as before."""
-    blocks = _open_blocks()
-    for block in reversed(blocks):
-        block.scope.__exit__(None, None, None)
-    try:
-        return reset_graph()
-    finally:
-        for block in blocks:
-            block.scope = block.strategy.scope()
-            block.scope.__enter__()
+    return [block.strategy for block in open_blocks()]
 
 
 def is_explicit():
-    """True inside `kt.distributed` or a `tf.distribute` strategy scope (on
-    JAX there is none: TensorFlow is not asked, nor imported)."""
-    return bool(_active()) or (not _on_jax() and tf.distribute.has_strategy())
+    """True inside `kt.distributed` or a scope of the backend's own
+    strategies (a `tf.distribute` one; on JAX there is none: TensorFlow is
+    not asked, nor imported)."""
+    return bool(_active()) or _running().scope_entered()
 
 
 def current_strategy():
-    """The `TowerStrategy` in effect: the innermost `kt.distributed`, else a
-    plain `tf.distribute` scope the user entered, else one tower on the
-    default device."""
+    """The `TowerStrategy` in effect: the innermost `kt.distributed`, else
+    the backend's default (on TensorFlow: a plain `tf.distribute` scope the
+    user entered, else one tower on the default device)."""
     if _active():
         return _active()[-1]
-    if _on_jax():
-        return _jax_strategies().default()
-    tf_strategy = tf.distribute.get_strategy()
-    if tf.distribute.has_strategy():
-        return TowerStrategy(type(tf_strategy).__name__, tf_strategy)
-    return TowerStrategy("single", tf_strategy)
+    return _running().default()
 
 
 class distributed:
@@ -177,18 +231,17 @@ class distributed:
     """
 
     def __init__(self, name="mirrored", devices=None):
-        if name not in _REGISTRY and not _on_jax():  # jax_strategies knows its own
-            hint = (' "multihost" is the JAX backend\'s (KERAS_BACKEND=jax); on TensorFlow, '
-                    'several processes run under "multiworker" or "horovod".'
-                    if name == "multihost" else "")
+        backend = _running()
+        if name not in _REGISTRY[_running_backend()]:
+            hint = backend.hints.get(name)
             raise StrategyError(
                 f"Unknown strategy {name!r}. Valid names: "
                 + ", ".join(repr(n) for n in strategy_names())
-                + "." + hint
+                + "." + (" " + hint if hint else "")
             )
-        parsed = None if _on_jax() else parse_devices(devices, name)
         self.name = name
-        self.devices = devices if parsed is None else [given for given, _ in parsed]
+        self.devices = backend.checked_devices(devices, name)
+        self._backend = _running_backend()
         self._strategy = None
         self._blocks = []
 
@@ -196,13 +249,12 @@ class distributed:
     def strategy(self):
         """The `TowerStrategy`, made on first use and then reused."""
         if self._strategy is None:
-            self._strategy = (_jax_strategies().make(self.name, self.devices) if _on_jax()
-                              else _REGISTRY[self.name](self.devices))
+            self._strategy = _REGISTRY[self._backend][self.name](self.devices)
         return self._strategy
 
     def __enter__(self):
         strategy = self.strategy
-        patches = _block_patches()
+        patches = _running().block_patches
         patches.__enter__()   # first: if Keras moved, nothing else is entered
         try:
             scope = strategy.scope()
@@ -212,12 +264,12 @@ class distributed:
             raise
         block = _OpenBlock(strategy, scope)
         self._blocks.append(block)
-        _open_blocks().append(block)
+        open_blocks().append(block)
         return strategy
 
     def __exit__(self, *exc_info):
         block = self._blocks.pop()
-        blocks = _open_blocks()
+        blocks = open_blocks()
         if block in blocks:
             blocks.remove(block)
         try:
@@ -238,7 +290,7 @@ class distributed:
                 "Leave every scope you enter inside the block before the block ends."
             ) from exit_error
         finally:
-            _block_patches().__exit__(*exc_info)
+            _running().block_patches.__exit__(*exc_info)
         return False
 
     def __call__(self, fn):
@@ -251,48 +303,3 @@ class distributed:
 
     def __repr__(self):
         return f"distributed({self.name!r}, devices={self.devices})"
-
-
-_warned_stock_models = weakref.WeakSet()
-
-
-def _warn_stock_fit(model):
-    """A plain keras.Model fitted inside kt.distributed is trained by stock
-    Keras: say so once, and how to get towers."""
-    if hasattr(model, "tower_strategy") or model in _warned_stock_models:
-        return  # a TowerModel
-    if not is_explicit() or current_strategy().num_towers < 2:
-        return
-    strategy = current_strategy()
-    _warned_stock_models.add(model)
-    warnings.warn(
-        f"kerastower: {model.name} is a plain keras.Model, so stock Keras trains it "
-        f"under {strategy}: each batch of batch_size examples is split over the "
-        f"{strategy.num_towers} replicas, with no towers or per-tower batches. To train "
-        "it with kerastower's towers, use kt.TowerModel(model) (created under the "
-        "same kt.distributed) or build it as a kt.TowerModel.",
-        stacklevel=3,
-    )
-
-
-# Stock Keras's fit checks its model only inside a kt.distributed block:
-# outside every block, Keras runs unpatched.
-_STOCK_FIT_CHECK = _compat.stock_fit_checked(_warn_stock_fit)
-
-
-# `keras.backend.clear_session()` inside a block keeps the block's strategy.
-_SCOPES_KEPT_ON_RESET = _compat.graph_reset_wrapped(_reenter_scopes)
-_TENSORFLOW_BLOCK_PATCHES = _compat.PatchGroup([_STOCK_FIT_CHECK, _SCOPES_KEPT_ON_RESET])
-
-
-def _block_patches():
-    """The patches a kt.distributed block holds while it is open; outside
-    every block, Keras runs unpatched. TensorFlow: stock Keras's fit checks
-    its model, and a reset of the default graph (`clear_session()`) keeps
-    the open blocks' strategy scopes. JAX: BatchNormalization(synchronized=True)
-    builds, and its moments are kerastower's (backend/jax/sync.py)."""
-    if not _on_jax():
-        return _TENSORFLOW_BLOCK_PATCHES
-    from kerastower.backend.jax import sync  # imports JAX: only on that backend
-
-    return sync.SYNCHRONIZED_BATCHNORM
