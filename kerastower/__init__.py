@@ -12,6 +12,7 @@ def train():
 """
 
 from kerastower._backend_required import check_backend_installed as _check_backend_installed
+from kerastower._backend_required import running_backend as _running_backend
 
 _check_backend_installed()  # before Keras is imported: a missing backend names its extra
 
@@ -33,7 +34,6 @@ from kerastower.errors import StepFailedError
 from kerastower.errors import StrategyError
 from kerastower.errors import TowerRuleError
 from kerastower.loop.main_loop import LoopState
-from kerastower.strategies.switch import _on_jax
 from kerastower.strategies.base import TowerStrategy
 from kerastower.strategies.switch import distributed
 from kerastower.strategies.switch import register_strategy
@@ -54,7 +54,8 @@ from kerastower.loop.preemption import Preempted
 from kerastower.trainers import Trainer
 from kerastower.trainers import minimize
 
-if not _on_jax():
+_ON_JAX = _running_backend() == "jax"  # each backend's own modules are imported on it only
+if not _ON_JAX:
     from kerastower.strategies import tf_backend as _tf_backend  # registers what kt.distributed needs of TF
     from kerastower.strategies import mirrored as _mirrored  # registers "single", "mirrored", "central"
     from kerastower.strategies import horovod as _horovod  # registers "horovod"; imports Horovod only when used
@@ -81,7 +82,7 @@ _TENSORFLOW_ONLY = {
 def __getattr__(name):
     if _moved.is_moved(f"kerastower.{name}"):  # a module read as an attribute
         return _moved.attribute(f"kerastower.{name}")
-    if name in _TENSORFLOW_ONLY and _on_jax():
+    if name in _TENSORFLOW_ONLY and _ON_JAX:
         raise KerasTowerError(
             f"kt.{name} runs on TensorFlow only, and this process runs Keras on JAX "
             f"(KERAS_BACKEND=jax). On JAX use {_TENSORFLOW_ONLY[name]}; or set "
@@ -131,6 +132,6 @@ __all__ = [
     "Trainer",
     "use_cpu_towers",
 ]
-if _on_jax():
+if _ON_JAX:
     # `from kerastower import *` takes what this backend has.
     __all__ = [name for name in __all__ if name not in _TENSORFLOW_ONLY]

@@ -18,13 +18,32 @@ import json
 import os
 import sys
 
-__all__ = ["BackendNotInstalledError", "check_backend_installed", "keras_backend_choice"]
+__all__ = ["BackendNotInstalledError", "check_backend_installed", "keras_backend_choice",
+           "running_backend"]
 
 # Keras's backend name -> (module Keras imports for it, its name in words, kerastower's extra).
 _SUPPORTED = {
     "tensorflow": ("tensorflow", "TensorFlow", "tensorflow"),
     "jax": ("jax", "JAX", "jax"),
 }
+
+
+def running_backend():
+    """The backend Keras runs on, by Keras's name ("tensorflow", "jax").
+
+    The one helper through which kerastower asks which backend runs:
+    `kerastower.backend.name()` is this, and the few modules outside
+    `kerastower/backend/` that must ask call it.
+
+    Examples:
+        >>> import keras
+        >>> from kerastower._backend_required import running_backend
+        >>> running_backend() == keras.backend.backend()
+        True
+    """
+    import keras
+
+    return keras.backend.backend()
 
 
 class BackendNotInstalledError(ImportError):

@@ -11,6 +11,7 @@ import importlib
 
 import keras
 
+from kerastower._backend_required import running_backend
 from kerastower._tf import tf
 from kerastower.errors import KerasTowerError
 
@@ -23,7 +24,7 @@ TESTED_ON_JAX = "Keras 3.15.1 with JAX 0.10.2 (Keras 3.10.0's source has the sam
 
 
 def _on_jax():
-    return keras.backend.backend() == "jax"
+    return running_backend() == "jax"
 
 
 def _versions():
@@ -31,8 +32,8 @@ def _versions():
         import jax  # the backend in use: imported already
 
         return f"Keras {keras.__version__}, JAX {jax.__version__}"
-    if keras.backend.backend() != "tensorflow":
-        return f"Keras {keras.__version__} on {keras.backend.backend()}"
+    if running_backend() != "tensorflow":
+        return f"Keras {keras.__version__} on {running_backend()}"
     return f"Keras {keras.__version__}, TensorFlow {tf.__version__}"
 
 

@@ -9,7 +9,7 @@ and the loop run them (`make_engine(model)`), kt.Trainer's feed
 (`trainer_feed()`) and `kt.minimize`'s step (`minimize_step()`).
 """
 
-import keras
+from kerastower._backend_required import running_backend
 
 __all__ = ["name", "tower_steps", "make_engine", "trainer_feed", "minimize_step",
            "evaluation_source", "exact_float"]
@@ -17,7 +17,7 @@ __all__ = ["name", "tower_steps", "make_engine", "trainer_feed", "minimize_step"
 
 def name():
     """The backend Keras runs on: "tensorflow" or "jax"."""
-    return keras.backend.backend()
+    return running_backend()
 
 
 def tower_steps():

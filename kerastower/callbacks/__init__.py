@@ -13,8 +13,7 @@ Examples:
     2
 """
 
-import keras
-
+from kerastower._backend_required import running_backend
 from kerastower.callbacks.base import Callback
 from kerastower.callbacks.inference import ClassificationError
 from kerastower.callbacks.inference import InferenceRunner
@@ -39,7 +38,7 @@ from kerastower.callbacks.trigger import EnableCallbackIf
 from kerastower.callbacks.trigger import PeriodicTrigger
 from kerastower.callbacks.trigger import ProxyCallback
 
-if keras.backend.backend() == "jax":  # tf.summary is TensorFlow's: write events without it
+if running_backend() == "jax":  # tf.summary is TensorFlow's: write events without it
     from kerastower.callbacks.event_scalars import ScalarTensorBoard as TensorBoard
 
 __all__ = [

@@ -26,6 +26,7 @@ import zipfile
 import keras
 import numpy as np
 
+from kerastower._backend_required import running_backend
 from kerastower._tf import tf
 from kerastower.errors import KerasTowerError
 
@@ -62,7 +63,7 @@ class TensorFlowFormatError(KerasTowerError):
 
 def on_tensorflow():
     """Whether Keras runs on TensorFlow."""
-    return keras.backend.backend() == "tensorflow"
+    return running_backend() == "tensorflow"
 
 
 def host_value(variable):

@@ -28,6 +28,7 @@ import threading
 import keras
 import numpy as np
 
+from kerastower._backend_required import running_backend
 from kerastower.errors import DataMismatchError
 from kerastower.errors import InputSourceError
 from kerastower.inputs import ragged_sparse
@@ -59,7 +60,7 @@ def _composite(leaf, number):
     """A ragged or sparse leaf as Keras hands it to the model: as it is on
     TensorFlow (where only arrays and tf.data reach the towers with one),
     padded or a BCOO on JAX (`ragged_sparse.for_jax`)."""
-    if keras.backend.backend() != "jax":
+    if running_backend() != "jax":
         raise InputSourceError(
             f"Batch {number} of the input holds a {type(leaf).__name__}. On TensorFlow, "
             "kerastower feeds ragged and sparse tensors from arrays (fit(x=ragged, ...)) "

@@ -38,9 +38,9 @@ pipeline per epoch replays its seeded shuffle); this module gives the same.
 import random
 import threading
 
-import keras
 import numpy as np
 
+from kerastower._backend_required import running_backend
 from kerastower import _compat
 
 __all__ = ["KerasPassOrder", "NumpyPassOrder", "PythonPassOrder", "follow_keras", "order_kind",
@@ -261,7 +261,7 @@ def follow_keras(rows, strategy):
     if not seeded:
         return
     joined_batch = rows.batch_size * strategy.num_towers
-    if keras.backend.backend() == "jax":
+    if running_backend() == "jax":
         chiefs_copy = None
         if several:
             chiefs_copy = np.random.RandomState()
@@ -289,7 +289,7 @@ def order_kind(rows):
             return None
         if batches.python_order is None:
             return "seeded"
-        return f"keras-{keras.backend.backend()}, PyDataset"
+        return f"keras-{running_backend()}, PyDataset"
     if rows is None or not getattr(rows, "shuffle", False):
         return None
     if rows.pass_order is None:

@@ -10,6 +10,7 @@ step's k-th batch). Keras's test and predict callbacks run around each step.
 import keras
 import numpy as np
 
+from kerastower._backend_required import running_backend
 from kerastower import _compat
 from kerastower.errors import InputSourceError
 from kerastower.inputs import ragged_sparse
@@ -82,7 +83,7 @@ def _joined(parts):
     anything else as Keras's TensorFlow predict joins it (ragged and sparse
     outputs stay so); on JAX, sparse outputs and outputs of different
     widths refused (Keras's `np.concatenate` cannot join them either)."""
-    if keras.backend.backend() == "jax":
+    if running_backend() == "jax":
         if any(ragged_sparse.is_sparse(p) for p in parts):
             raise ragged_sparse.sparse_predictions_refused()
     elif not all(_dense(p) for p in parts) or len({tuple(p.shape[1:]) for p in parts}) > 1:

@@ -25,8 +25,7 @@ import functools
 import threading
 import warnings
 
-import keras
-
+from kerastower._backend_required import running_backend
 from kerastower.errors import StrategyError
 
 __all__ = [
@@ -99,7 +98,7 @@ def _checked_backend(backend):
 
 def _running_backend():
     """The name of the backend Keras runs: the one place kt.distributed asks."""
-    return keras.backend.backend()
+    return running_backend()
 
 
 def _running():
@@ -111,12 +110,6 @@ def _running():
             f"{' and '.join(_BACKEND_NAMES)}. Set KERAS_BACKEND to one of them before "
             "Keras is imported.")
     return _BACKENDS[backend]
-
-
-def _on_jax():
-    """Whether Keras runs on JAX: for kerastower/__init__.py, which imports
-    each backend's own modules."""
-    return _running_backend() == "jax"
 
 
 def register_strategy(name, factory, backend=None):
