@@ -184,7 +184,7 @@ def test_chief_only_callbacks_do_not_run_on_other_processes(monkeypatch):
     a JAX process other than 0, will be) runs the callbacks that are not
     chief_only, and Keras's."""
     with kt.distributed("mirrored", devices=tower_devices(2)) as strategy:
-        # The strategy's class (TowerStrategy, JaxTowerStrategy), for this test only.
+        # The strategy's class (TFDistributeStrategy, JaxTowerStrategy), for this test only.
         monkeypatch.setattr(type(strategy), "is_chief", property(lambda self: False))
         assert not strategy.is_chief
         model = mlp()
