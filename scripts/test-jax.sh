@@ -1,12 +1,11 @@
 #!/usr/bin/env bash
-# Runs the JAX backend's tests (tests_jax/) and the tests both backends share
-# (tests_shared/, which tests/ runs on TensorFlow) in a process of their own:
-# Keras picks its backend once per process. JAX gets 4 host devices (the
-# towers) from XLA_FLAGS, set before it starts.
+# Runs the tests on JAX: tests/jax/ and tests/shared/ (tests/conftest.py
+# leaves tests/tensorflow/ out, and gives JAX 4 forced host devices, the
+# towers, before it starts). `python -m pytest` alone runs tests/tensorflow/
+# and tests/shared/ on TensorFlow; Keras picks its backend once per process.
 #
-#   bash scripts/test-jax.sh
+#   bash scripts/test-jax.sh [pytest arguments]
 set -euo pipefail
 cd "$(dirname "$0")/.."
 export KERAS_BACKEND=jax
-export XLA_FLAGS="${XLA_FLAGS:-} --xla_force_host_platform_device_count=4"
-python -m pytest -q -p no:cacheprovider tests_jax tests_shared "$@"
+python -m pytest -q -p no:cacheprovider "$@"

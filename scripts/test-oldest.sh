@@ -26,5 +26,5 @@ fi
 say "$("$venv/bin/python" -c 'import keras, tensorflow as tf; print(f"Keras {keras.__version__}, TensorFlow {tf.__version__}")')"
 "$venv/bin/python" -c 'import jax' 2>/dev/null && { say "JAX is installed in $venv, which must have TensorFlow only" >&2; exit 1; }; say "import jax fails: these tests run the TensorFlow path without JAX installed."
 "$venv/bin/python" -m pytest -q -p no:cacheprovider \
-  tests/test_equivalence_matrix.py tests/test_equivalence.py tests/test_one_engine.py \
-  tests_shared/test_trainers.py
+  tests/tensorflow/test_equivalence_matrix.py tests/tensorflow/test_equivalence.py tests/tensorflow/test_one_engine.py \
+  tests/shared/test_trainers.py
