@@ -9,8 +9,7 @@ between the backends fails there.
 import os
 import signal
 
-# The repository's root: tests/ and examples/ import from it, in every process.
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from tests.helpers import ROOT  # noqa: F401 (the tests import it from here)
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 if os.environ.get("KERAS_BACKEND") == "jax":

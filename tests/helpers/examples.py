@@ -9,7 +9,7 @@ import importlib
 import os
 import sys
 
-from tests.helpers.common import ROOT
+from tests.helpers import ROOT  # not common.py: an example's process makes its own devices
 
 EXAMPLES = os.path.join(ROOT, "examples")
 
