@@ -42,6 +42,7 @@ from kerastower.tower import TowerContext
 from kerastower.tower import get_current_tower_context
 from kerastower.loss_divisors import global_sum
 from kerastower.loss_divisors import loss_divisor
+from kerastower.inputs.chooser import register_input_kind
 
 from kerastower.model import TowerModel
 from kerastower.sequential import TowerSequential
@@ -117,6 +118,7 @@ __all__ = [
     "NonFiniteError",
     "PeerFailureError",
     "Preempted",
+    "register_input_kind",
     "register_strategy",
     "SeparateGANTrainer",
     "StepFailedError",

@@ -30,8 +30,8 @@ Who owns each of `fit`'s arguments (read in `TowerModel.fit` below):
   as integers by `arguments.fit_integers` (kerastower/arguments.py).
 - `x`, `y`, `sample_weight`, `class_weight`, `validation_split`: joined
   into examples by `arguments.fit_data`, then made a source by the engine
-  (`input_source`: `inputs/as_source.py` on TensorFlow, the JAX engine's
-  own on JAX), with `batch_size` a tower's batch and `shuffle` its order.
+  (`input_source`: the kind chosen by `inputs/chooser.py` for both
+  backends, placed by `backend/<backend>/inputs.py`), with `batch_size` a tower's batch and `shuffle` its order.
 - `validation_data` (and `validation_batch_size`): the engine's
   `validation_source`; `validation_steps` and `validation_freq`: FitSteps
   (kerastower/loop/fit_steps.py), which runs validation at an epoch's end.

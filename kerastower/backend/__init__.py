@@ -60,10 +60,10 @@ def evaluation_source(x, y=None, sample_weight=None, batch_size=None):
     """What evaluate would read `x` (and `y`, `sample_weight`) as, made and
     checked before any model runs (InferenceRunner, when constructed)."""
     if name() == "jax":
-        from kerastower.inputs.jax_sources import tower_batches
+        from kerastower.backend.jax.inputs import tower_batches
 
         return tower_batches(x, y, sample_weight, batch_size)
-    from kerastower.inputs.as_source import as_input_source
+    from kerastower.backend.tensorflow.inputs import as_input_source
 
     return as_input_source(x, y, sample_weight, batch_size)
 

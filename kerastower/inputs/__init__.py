@@ -1,13 +1,15 @@
-"""Where each tower gets its batch: every input kind `fit` takes.
+"""Where each tower gets its batch: every input kind `fit` takes, chosen once for both backends.
 
 Tower k of step s takes the source's batch s*N+k (N towers), whole: nothing
-is split. `sources.py` holds the InputSources of the TensorFlow path
-(`kt.DatasetInput`, `kt.GeneratorInput`, ...), `as_source.py` turns arrays,
-datasets and generators into one; `arrays.py` deals numpy arrays out per tower;
-`jax_sources.py` and `jax_arrays.py` do the same for the JAX path.
-Generators and PyDatasets, on both backends: `dealing.py` decides which
-batch each tower takes, `python_sources.py` reads the source in passes, and
-`python_input.py` (TensorFlow) feeds it to tf.data.
+is split. `chooser.py` decides which kind each input is (a `kt.InputSource`,
+a `tf.data.Dataset`, arrays, a Python source of batches, or a kind
+registered with `kt.register_input_kind`); what each tower takes of it is
+decided here too: `array_rows.py` cuts arrays' passes into per-tower
+batches, `dealing.py` deals a Python source's batches, which
+`python_sources.py` reads in passes. `sources.py` holds the InputSources of
+the TensorFlow path (`kt.DatasetInput`, `kt.GeneratorInput`, ...). Each
+engine only places what was chosen: backend/tensorflow/inputs.py and
+backend/jax/inputs.py.
 """
 
 from kerastower.inputs.sources import DatasetInput
@@ -15,9 +17,11 @@ from kerastower.inputs.sources import DummyConstantInput
 from kerastower.inputs.sources import GeneratorInput
 from kerastower.inputs.sources import InputSource
 from kerastower.inputs.sources import TowerInputContext
-from kerastower.inputs.as_source import as_input_source
+from kerastower.inputs.chooser import InputChoice
+from kerastower.inputs.chooser import choose
+from kerastower.inputs.chooser import register_input_kind
 
 __all__ = [
     "InputSource", "DatasetInput", "GeneratorInput", "DummyConstantInput",
-    "TowerInputContext", "as_input_source",
+    "TowerInputContext", "InputChoice", "choose", "register_input_kind",
 ]

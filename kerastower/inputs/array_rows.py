@@ -6,8 +6,8 @@ index, so every pass can be replayed), cuts that order into batches of B
 rows, and tower k of step s takes batch s*N+k, whole: nothing is split, and
 a pass's last batch may be short. `ArrayRows` decides all of that and
 imports neither TensorFlow nor JAX; each engine only gathers the rows and
-places them: TensorFlow in a tf.data pipeline (`inputs/arrays.py`), JAX on
-the towers' devices (`inputs/jax_arrays.py`). Both backends therefore read
+places them: TensorFlow in a tf.data pipeline (`backend/tensorflow/array_input.py`), JAX on
+the towers' devices (`backend/jax/array_batches.py`). Both backends therefore read
 the same examples in the same order for a given seed.
 
 Examples:

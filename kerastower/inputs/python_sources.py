@@ -23,8 +23,8 @@ read; a generator's are read and dropped, so a resumed run is exact when
 the generator gives the same batches in every run.
 
 This module imports neither TensorFlow nor JAX: the JAX engine places the
-batches itself (`inputs/jax_sources.py`), and the TensorFlow engine feeds
-them to tf.data (`inputs/python_input.py`).
+batches itself (`backend/jax/inputs.py`), and the TensorFlow engine feeds
+them to tf.data (`backend/tensorflow/python_input.py`).
 
 Examples:
     >>> import numpy as np

@@ -16,8 +16,9 @@ kt.DummyConstantInput((images, labels))       # constant batches, for benchmarks
 
 `fit`, `evaluate` and `predict` also take plain `tf.data.Dataset`s (as
 `DatasetInput`), numpy arrays (batched with `batch_size` per tower), and
-Python generators, iterables and `keras.utils.PyDataset`s (python_input.py);
-`as_input_source` (as_source.py) makes the InputSource of each.
+Python generators, iterables and `keras.utils.PyDataset`s (backend/tensorflow/python_input.py);
+`inputs/chooser.py` chooses the kind of each, and
+`backend/tensorflow/inputs.py` makes its InputSource.
 """
 
 import collections

@@ -37,7 +37,7 @@ def test_each_tower_takes_a_whole_batch_of_its_own_and_a_short_step_runs_on_fewe
 def test_array_batches_keep_the_structure_of_what_fit_was_given(structure):
     """Batches gathered leaf by leaf come back packed as Keras packs the
     arrays, each leaf's rows in the pass's order."""
-    from kerastower.inputs.jax_arrays import ArrayBatches
+    from kerastower.backend.jax.array_batches import ArrayBatches
 
     n = 10
     a = np.arange(n * 3, dtype="float32").reshape(n, 3)

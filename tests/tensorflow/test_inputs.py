@@ -214,7 +214,7 @@ def test_arrays_on_cpu_towers_are_dealt_to_host_iterators(two_towers):
     host iterator (tf.distribute's per-device prefetch costs a CPU step more
     than it saves): tower k of step s still takes batch 2s + k, and a resumed
     run skips what both towers took."""
-    from kerastower.inputs.as_source import as_input_source
+    from kerastower.backend.tensorflow.inputs import as_input_source
 
     x, y = id_data(20)
     source = as_input_source(x, y, batch_size=4)

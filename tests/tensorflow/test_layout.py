@@ -255,6 +255,7 @@ REVIEWED_MODULE_STATE = {
     ("kerastower.backend.tensorflow.gradients", "_retrying"),
     # Registries filled at import, and warn-once memories.
     ("kerastower.strategies.switch", "_REGISTRY"),
+    ("kerastower.inputs.chooser", "_REGISTERED"),  # the input kinds registered, for the process
     ("kerastower.strategies.switch", "_BACKENDS"),
     ("kerastower.strategies.tf_backend", "_warned_stock_models"),  # weak: models die with their users
     ("kerastower.backend.tensorflow.xla", "_warned"),

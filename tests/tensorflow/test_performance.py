@@ -227,7 +227,7 @@ def test_one_step_of_an_endless_input_runs_without_the_step_loop():
     an epoch's last call of one step; all train, count and log as one
     device does from a pipeline of the same batches, of unknown length
     (which keeps the loop)."""
-    from kerastower.inputs.as_source import as_input_source
+    from kerastower.backend.tensorflow.inputs import as_input_source
 
     x, y = _data(n=48)
     keras.utils.set_random_seed(3)

@@ -1,7 +1,7 @@
 """The JAX StepEngine: every step one jitted call over the towers' devices.
 
-Sources are the per-tower batches of kerastower/inputs/jax_sources.py
-(numpy arrays, generators, PyDatasets); `step.TowerSteps` holds the jitted
+Sources are the per-tower batches of backend/jax/inputs.py (numpy
+arrays, generators, PyDatasets, as inputs/chooser.py chose them); `step.TowerSteps` holds the jitted
 steps over a mesh of the towers' devices (one per number of towers: a
 pass's short last step runs on fewer, or joined on one), and the weights
 the towers hold between steps, written into the model's variables by
@@ -24,11 +24,12 @@ from kerastower.backend.jax.tower_function import TowerFunctionRunner
 from kerastower.backend.jax import step as jax_step
 from kerastower.backend.jax.feed import FitFeed
 from kerastower.backend.jax.finite_check import step_checks_finite
+from kerastower.backend.jax.inputs import tower_batches
 from kerastower.backend.jax.metric_reset import MetricResets
 from kerastower.errors import InputSourceError
-from kerastower.inputs import jax_sources
 from kerastower.inputs import preprocessing
 from kerastower.inputs import python_sources
+from kerastower.inputs.chooser import kind_of
 
 __all__ = ["JaxEngine"]
 
@@ -89,7 +90,7 @@ class JaxEngine(StepEngine):
     # input
 
     def check_validation_split(self, x, validation_split):
-        if validation_split and jax_sources.is_batched(x):
+        if validation_split and kind_of(x) in ("batches", "dataset"):
             raise InputSourceError(
                 f"validation_split cuts numpy arrays; x is a {type(x).__name__}. Pass "
                 "validation_data (arrays, a generator or a PyDataset) instead.")
@@ -98,7 +99,7 @@ class JaxEngine(StepEngine):
                      repeat=False, method="fit", steps=None):
         x, y, sample_weight, batch_size = preprocessing.preprocessed(
             self.model, x, y, sample_weight, batch_size, repeat=repeat)
-        source = jax_sources.tower_batches(x, y, sample_weight, batch_size, shuffle)
+        source = tower_batches(x, y, sample_weight, batch_size, shuffle)
         source.repeated = bool(repeat)
         if method == "fit" and getattr(source, "rows", None) is not None:
             keras_order.follow_keras(source.rows, self.model.tower_strategy)
@@ -113,8 +114,8 @@ class JaxEngine(StepEngine):
         validation_data = preprocessing.preprocessed_validation(self.model, validation_data, batch_size)
         data = tuple(validation_data) if isinstance(validation_data, (tuple, list)) else (validation_data,)
         val_x, val_y, val_weight = data + (None,) * (3 - len(data))
-        source = jax_sources.tower_batches(
-            val_x, val_y, val_weight, None if jax_sources.is_batched(val_x) else batch_size)
+        source = tower_batches(
+            val_x, val_y, val_weight, batch_size if kind_of(val_x) == "arrays" else None)
         if not steps:
             source.check_finite("fit", "validation_steps")
         return preprocessing.ready(source) if preprocessing.preprocesses(self.model) else source

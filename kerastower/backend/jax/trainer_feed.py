@@ -1,7 +1,7 @@
 """kt.Trainer's feed on JAX: what `next_batches()` takes from.
 
 A Python generator, iterator or iterable of batches, or a
-`keras.utils.PyDataset`, dealt out as fit deals them (inputs/jax_sources.py):
+`keras.utils.PyDataset`, dealt out as fit deals them (inputs/chooser.py):
 tower k of step s takes the source's batch s*N+k.
 """
 
@@ -18,15 +18,17 @@ class JaxFeed:
     """A generator, iterator, iterable or PyDataset of per-tower batches."""
 
     def __init__(self, input, owner):
-        from kerastower.inputs import jax_sources
+        from kerastower.backend.jax.inputs import place
+        from kerastower.inputs.chooser import choose
+        from kerastower.inputs.chooser import kind_of
 
-        if not jax_sources.is_batched(input):
+        if kind_of(input) not in ("batches", "dataset"):
             raise InputSourceError(
                 f"{owner}: on JAX the input is a Python generator (or iterable) of "
                 "batches or a keras.utils.PyDataset, each batch one tower's; got "
                 f"{type(input).__name__}. For numpy arrays, yield their batches: "
                 "(x[i:i + n] for i in itertools.cycle(range(0, len(x) - n + 1, n))).")
-        self.source = jax_sources.tower_batches(input)
+        self.source = place(choose(input))
         self.source.repeated = True   # an epoch is only a period: pass after pass
         self.iterator = None
 

@@ -26,12 +26,12 @@ from kerastower.backend.tensorflow.tower_function import TowerFunctionRunner
 from kerastower.backend.tensorflow import step_calls
 from kerastower.backend.tensorflow import step_errors
 from kerastower.backend.tensorflow import xla
+from kerastower.backend.tensorflow.inputs import as_input_source
 from kerastower.errors import StrategyError
 from kerastower.inputs import keras_order
 from kerastower.inputs import preprocessing
 from kerastower.inputs import python_sources
 from kerastower.inputs.step_failures import StepFailures
-from kerastower.inputs.as_source import as_input_source
 
 __all__ = ["TensorFlowEngine"]
 

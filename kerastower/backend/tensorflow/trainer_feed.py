@@ -1,7 +1,7 @@
 """kt.Trainer's feed on TensorFlow: what `next_batches()` takes from.
 
-A `kt.InputSource` or `tf.data.Dataset`, placed on the towers by the
-strategy (inputs/sources.py): tower k of step s takes the source's batch
+A `kt.InputSource` or `tf.data.Dataset`, chosen by inputs/chooser.py and
+placed by backend/tensorflow/inputs.py on the towers: tower k of step s takes the source's batch
 s*N+k, through `feeding.next_step`.
 """
 
@@ -15,16 +15,16 @@ class TensorFlowFeed:
     """A `kt.InputSource` or `tf.data.Dataset`, placed on the towers by the strategy."""
 
     def __init__(self, input, owner):
-        from kerastower._tf import tf
-        from kerastower.inputs.sources import InputSource
-        from kerastower.inputs.as_source import as_input_source
+        from kerastower.backend.tensorflow.inputs import place
+        from kerastower.inputs.chooser import choose
+        from kerastower.inputs.chooser import kind_of
 
-        if not isinstance(input, (InputSource, tf.data.Dataset)):
+        if kind_of(input) not in ("input_source", "dataset"):
             raise InputSourceError(
                 f"{owner}: input must be a kt.InputSource or a tf.data.Dataset; got "
                 f"{type(input).__name__}. Wrap arrays in "
                 "tf.data.Dataset.from_tensor_slices(...).batch(n).repeat().")
-        self.source = as_input_source(input)
+        self.source = place(choose(input))
         self.iterator = None
 
     def reading(self):

@@ -20,8 +20,9 @@ neither is an InputSourceError naming both shapes.
 
 Examples:
     >>> import numpy as np, kerastower as kt
-    >>> from kerastower.inputs.python_input import PythonSourceInput
-    >>> source = kt.inputs.as_input_source(iter([(np.ones((4, 3)), np.zeros(4))] * 2))
+    >>> from kerastower.backend.tensorflow.python_input import PythonSourceInput
+    >>> from kerastower.backend.tensorflow.inputs import as_input_source
+    >>> source = as_input_source(iter([(np.ones((4, 3)), np.zeros(4))] * 2))
     >>> isinstance(source, PythonSourceInput), source.element_spec(2)[0].shape.as_list()
     (True, [None, 3])
 """

@@ -1,7 +1,7 @@
 """numpy arrays as an InputSource: per-tower batches, reshuffled every pass.
 
-What `fit(x, y, batch_size=...)` trains on: `as_input_source` (as_source.py)
-makes one from arrays, with `batch_size` examples per tower. Which rows
+What `fit(x, y, batch_size=...)` trains on: the TensorFlow engine's placing
+(inputs.py) makes one of what the chooser found to be arrays, with `batch_size` examples per tower. Which rows
 each batch holds, pass by pass, is decided by `ArrayRows` (array_rows.py),
 as on JAX; this module gathers them in a tf.data pipeline. As Keras's
 array adapter on TensorFlow, it also takes `tf.RaggedTensor`s and

@@ -13,7 +13,7 @@ sparse batch a BCOO; ragged_sparse.py says how the towers differ).
 
 Examples:
     >>> import numpy as np
-    >>> from kerastower.inputs.jax_arrays import ArrayBatches
+    >>> from kerastower.backend.jax.array_batches import ArrayBatches
     >>> batches = ArrayBatches(np.arange(10.0)[:, None], np.zeros(10), batch_size=2)
     >>> [[b[0][:, 0].tolist() for b in step] for step in batches.one_pass(num_towers=2)]
     [[[0.0, 1.0], [2.0, 3.0]], [[4.0, 5.0], [6.0, 7.0]], [[8.0, 9.0]]]
