@@ -57,15 +57,16 @@ _REGISTERED = {}
 class InputChoice:
     """What an input was chosen to be: its kind (one of `KINDS`), what the
     towers read (`x`, `y`, `sample_weight`), the per-tower `batch_size` of
-    arrays (None for the kinds batched already), whether arrays are
-    reshuffled every pass, and the registered kind it was read from, if any."""
+    arrays (None for the kinds batched already), how it is reshuffled
+    every pass (`shuffle`: False, True or "batch", as Keras takes it), and
+    the registered kind it was read from, if any."""
 
     kind: str
     x: object
     y: object = None
     sample_weight: object = None
     batch_size: object = None
-    shuffle: bool = False
+    shuffle: object = False
     registered: object = None
 
 
@@ -178,14 +179,14 @@ def _checked(kind, x, y, sample_weight, batch_size, shuffle):
     """The choice of `x` of `kind`, with the arguments that go with it checked."""
     if kind != "arrays":
         choice = _batched_already(x, kind, y, sample_weight, batch_size)
-        return dataclasses.replace(choice, shuffle=bool(shuffle)) if kind == "batches" else choice
+        return dataclasses.replace(choice, shuffle=shuffle) if kind == "batches" else choice
     batch_size = 32 if batch_size is None else integer(
         batch_size, "batch_size (per tower)", "kerastower", minimum=1)
     if y is None and sample_weight is not None:
         raise InputSourceError(
             "sample_weight was given without y; kerastower needs targets to "
             "weight. Pass y, or put the weights into the loss yourself.")
-    return InputChoice("arrays", x, y, sample_weight, batch_size, bool(shuffle))
+    return InputChoice("arrays", x, y, sample_weight, batch_size, shuffle)
 
 
 def choose(x, y=None, sample_weight=None, batch_size=None, shuffle=False):
