@@ -49,7 +49,7 @@ say "(a) import tensorflow fails: TensorFlow is not installed."
 
 # (b) The README's example trains 2 towers on JAX, TensorFlow never imported.
 KERAS_HOME=$keras_home/b KERAS_BACKEND=jax XLA_FLAGS="${XLA_FLAGS:-} --xla_force_host_platform_device_count=2" \
-  "$venv/bin/python" tests_backend_only/train_on_jax.py
+  "$venv/bin/python" tests/backend_only/train_on_jax.py
 say "(b) the README's example trained 2 towers on JAX without TensorFlow."
 
 # (c) On TensorFlow (asked for, or Keras's default), the error names the extra.
