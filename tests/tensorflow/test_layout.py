@@ -203,6 +203,52 @@ def test_no_module_imports_the_package_root_back():
     assert offenders == []
 
 
+# The modules outside kerastower/backend/ that ask which backend runs, each
+# through `_backend_required.running_backend()` (issue 56 aims at 4 of them:
+# shrink this set, never grow it).
+BACKEND_CHECKS_ALLOWED = {
+    "kerastower",                          # imports each backend's own modules on it only
+    "kerastower.strategies.switch",        # the registry is keyed by backend
+    "kerastower._compat.required",         # names the versions in its errors
+    "kerastower.callbacks",                # tf.summary on TensorFlow, its own event writer on JAX
+    "kerastower.loop.inference_loops",     # how predict joins ragged and sparse outputs
+    "kerastower.inputs.dealing",           # ragged and sparse leaves of a Python source
+    "kerastower.inputs.keras_order",       # which stock Keras order is followed
+    "kerastower.checkpoint.variables",     # which checkpoint format is written
+}
+
+
+def _backend_checks(path):
+    """(helper calls, other ways of asking) in a module: calls of
+    running_backend, and of keras.backend.backend or backend.name."""
+    with open(path) as f:
+        tree = ast.parse(f.read())
+    helper, other = 0, []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Call):
+            called = ast.unparse(node.func)
+            if called.split(".")[-1] in ("running_backend", "_running_backend"):
+                helper += 1
+            elif called in ("keras.backend.backend", "backend.backend", "backend.name"):
+                other.append(called)
+    return helper, other
+
+
+def test_backend_checks_outside_backend_go_through_one_helper_in_few_modules():
+    checking, others = set(), {}
+    for name, path in MODULES.items():
+        if name.startswith("kerastower.backend") or name == "kerastower._backend_required":
+            continue
+        helper, other = _backend_checks(path)
+        if helper:
+            checking.add(name)
+        if other:
+            others[name] = other
+    assert others == {}, "ask through _backend_required.running_backend()"
+    assert sorted(checking - BACKEND_CHECKS_ALLOWED) == [], "a new module asks which backend runs"
+    assert sorted(BACKEND_CHECKS_ALLOWED - checking) == [], "no longer asks: drop it from the list"
+
+
 def test_few_modules_at_the_top():
     top = sorted(n for n in os.listdir(PACKAGE) if n.endswith(".py") and n != "__init__.py")
     assert len(top) <= TOP_MODULES_AT_MOST, top
