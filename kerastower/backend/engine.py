@@ -114,7 +114,17 @@ class StepEngine:
 
     Args:
         model: the TowerModel whose steps this engine runs.
+
+    Attributes:
+        backend: the Keras backend it runs on ("tensorflow", "jax"), as
+            checkpoints record the input order it follows.
+        pass_order: stock Keras's order of shuffled arrays on that backend
+            (`inputs/keras_order.py`), which fit's passes follow where
+            Keras's seed is set.
     """
+
+    backend = None
+    pass_order = None
 
     def __init__(self, model):
         self.model = model
@@ -185,6 +195,13 @@ class StepEngine:
         """The towers' outputs of one prediction step, joined in tower
         order; None when the input has ended."""
         raise NotImplementedError
+
+    def joined_outputs(self, parts):
+        """One output's prediction steps joined as stock Keras's predict
+        joins them on this backend, where that is not numpy's
+        `np.concatenate` (which the loop does, None returned); raises for
+        outputs Keras cannot join on it."""
+        return None
 
     def training_metrics_kept(self):
         """A context: the training metrics (every tower's) are put back as

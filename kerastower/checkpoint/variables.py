@@ -26,12 +26,12 @@ import zipfile
 import keras
 import numpy as np
 
-from kerastower._backend_required import running_backend
 from kerastower._tf import tf
+from kerastower._tf import tf_loaded
 from kerastower.errors import KerasTowerError
 
 __all__ = [
-    "on_tensorflow", "host_value", "dtype_name", "is_floating", "is_integer", "write", "read",
+    "host_value", "dtype_name", "is_floating", "is_integer", "write", "read",
     "TensorFlowFormatError",
 ]
 
@@ -61,16 +61,12 @@ class TensorFlowFormatError(KerasTowerError):
         self.path = path
 
 
-def on_tensorflow():
-    """Whether Keras runs on TensorFlow."""
-    return running_backend() == "tensorflow"
-
-
 def host_value(variable):
     """The value of a (possibly mirrored) variable, as a numpy array."""
-    if on_tensorflow():
-        return tf.convert_to_tensor(variable.value).numpy()
-    return np.asarray(keras.ops.convert_to_numpy(variable.value))
+    value = variable.value
+    if tf_loaded() and isinstance(value, (tf.Variable, tf.Tensor)):  # a mirrored one too
+        return tf.convert_to_tensor(value).numpy()
+    return np.asarray(keras.ops.convert_to_numpy(value))
 
 
 def dtype_name(dtype):

@@ -28,7 +28,6 @@ import threading
 import keras
 import numpy as np
 
-from kerastower._backend_required import running_backend
 from kerastower.errors import DataMismatchError
 from kerastower.errors import InputSourceError
 from kerastower.inputs import ragged_sparse
@@ -38,9 +37,17 @@ __all__ = ["standardized", "one_step", "numbered_steps", "failed_batch",
            "TowerDealer"]
 
 
-def _as_array(leaf, number):
+def _as_array(leaf, number, composite_leaf):
     if not isinstance(leaf, np.ndarray) and ragged_sparse.is_composite(leaf):
-        return _composite(leaf, number)
+        if composite_leaf is None:
+            raise InputSourceError(
+                f"Batch {number} of the input holds a {type(leaf).__name__}. On TensorFlow, "
+                "kerastower feeds ragged and sparse tensors from arrays (fit(x=ragged, ...)) "
+                "and tf.data.Datasets, not from Python generators, iterables or PyDatasets: "
+                "pass the whole arrays, or a tf.data.Dataset (e.g. "
+                "tf.data.Dataset.from_generator with a tf.RaggedTensorSpec or "
+                "tf.SparseTensorSpec in its output_signature).")
+        return composite_leaf(leaf)
     try:
         array = np.asarray(leaf)
     except Exception as error:  # the source's own types: anything may fail
@@ -56,25 +63,15 @@ def _as_array(leaf, number):
     return array
 
 
-def _composite(leaf, number):
-    """A ragged or sparse leaf as Keras hands it to the model: as it is on
-    TensorFlow (where only arrays and tf.data reach the towers with one),
-    padded or a BCOO on JAX (`ragged_sparse.for_jax`)."""
-    if running_backend() != "jax":
-        raise InputSourceError(
-            f"Batch {number} of the input holds a {type(leaf).__name__}. On TensorFlow, "
-            "kerastower feeds ragged and sparse tensors from arrays (fit(x=ragged, ...)) "
-            "and tf.data.Datasets, not from Python generators, iterables or PyDatasets: "
-            "pass the whole arrays, or a tf.data.Dataset (e.g. "
-            "tf.data.Dataset.from_generator with a tf.RaggedTensorSpec or "
-            "tf.SparseTensorSpec in its output_signature).")
-    return ragged_sparse.for_jax(leaf)
-
-
-def standardized(item, number):
+def standardized(item, number, composite_leaf=None):
     """One batch as Keras hands it to the step: `x` (as the source gave it),
     `(x,)`, `(x, y)` or `(x, y, sample_weight)`, with numpy leaves (tf
-    tensors and other array-likes converted)."""
+    tensors and other array-likes converted).
+
+    A ragged or sparse leaf becomes `composite_leaf(leaf)` where the
+    backend's towers take one from a Python source (JAX's,
+    `ragged_sparse.for_jax`: padded, or a BCOO); with None it is refused,
+    as on TensorFlow, where only arrays and tf.data bring one to the towers."""
     if isinstance(item, list):
         item = tuple(item)
     bare = not isinstance(item, tuple)
@@ -84,7 +81,7 @@ def standardized(item, number):
         raise InputSourceError(
             f"Batch {number} of the input is a tuple of {len(item)} elements; a batch is "
             "x, (x,), (x, y) or (x, y, sample_weight).")
-    batch = keras.tree.map_structure(lambda leaf: _as_array(leaf, number), item)
+    batch = keras.tree.map_structure(lambda leaf: _as_array(leaf, number, composite_leaf), item)
     if not keras.tree.flatten(batch):
         raise InputSourceError(f"Batch {number} of the input holds no array: {item!r}.")
     lengths = {a.shape[0] for a in keras.tree.flatten(batch)}
@@ -195,7 +192,8 @@ def numbered_steps(items, num_towers, first_number=0):
 
 def joined(step):
     """A step of (number, item) pairs as the JAX towers take it (`one_step`)."""
-    return one_step([standardized(item, number) for number, item in step], step[0][0],
+    return one_step([standardized(item, number, ragged_sparse.for_jax) for number, item in step],
+                    step[0][0],
                     getattr(step, "num_towers", None))
 
 

@@ -40,7 +40,6 @@ import threading
 
 import numpy as np
 
-from kerastower._backend_required import running_backend
 from kerastower import _compat
 
 __all__ = ["KerasPassOrder", "NumpyPassOrder", "PythonPassOrder", "follow_keras", "order_kind",
@@ -68,6 +67,13 @@ class KerasPassOrder:
         self._read_passes = 2
         # Only where Keras reshuffles: the towers' pipelines ask from tf.data's threads.
         self._lock = threading.Lock()
+
+    @classmethod
+    def for_run(cls, rows, joined_batch, strategy):
+        """The order of `rows`'s passes in a run of `strategy`: over several
+        processes, the chief's (`as_the_chiefs`)."""
+        order = cls(rows.length, joined_batch, rows.shuffle)
+        return order if strategy.single_process else order.as_the_chiefs(strategy)
 
     def _read(self):
         # No batch (arrays of 0 examples): an empty order, for fit to warn that it trained nothing.
@@ -125,6 +131,17 @@ class NumpyPassOrder:
         self._drawn = -1      # the last pass drawn from the global generator
         self._kept = {}
         self._states = {}     # pass -> the generator's state before its draw
+
+    @classmethod
+    def for_run(cls, rows, joined_batch, strategy):
+        """The order of `rows`'s passes in a run of `strategy`: over several
+        processes, drawn from a copy of the chief's generator (a collective)."""
+        chiefs_copy = None
+        if not strategy.single_process:
+            chiefs_copy = np.random.RandomState()
+            chiefs_copy.set_state(strategy.broadcast_object(
+                np.random.get_state() if strategy.is_chief else None))
+        return cls(rows.length, joined_batch, rows.shuffle, chiefs_copy, strategy.is_chief)
 
     def _draw(self, generator, first_batches=None):
         length, batch, shuffle = self.key
@@ -246,11 +263,13 @@ class PythonPassOrder:
         return self._kept[pass_index]
 
 
-def follow_keras(rows, strategy):
+def follow_keras(rows, strategy, order):
     """Sets `rows.pass_order` (an `ArrayRows`'s) to stock Keras's order on
-    this backend where the arrays are shuffled and Keras's seed is set (the
-    chief's, over several processes); else to None (the seeded order).
-    Made when fit begins, on every process: over several, a collective."""
+    the engine's backend (`order`: `KerasPassOrder` on TensorFlow,
+    `NumpyPassOrder` on JAX) where the arrays are shuffled and Keras's seed
+    is set (the chief's, over several processes); else to None (the seeded
+    order). Made when fit begins, on every process: over several, a
+    collective."""
     rows.pass_order = None
     if not rows.shuffle:
         return
@@ -258,38 +277,27 @@ def follow_keras(rows, strategy):
     seeded = _compat.keras_random_seed() is not None
     if several:  # one process following Keras and another not would part ways
         seeded = strategy.broadcast_object(seeded if strategy.is_chief else None)
-    if not seeded:
-        return
-    joined_batch = rows.batch_size * strategy.num_towers
-    if running_backend() == "jax":
-        chiefs_copy = None
-        if several:
-            chiefs_copy = np.random.RandomState()
-            chiefs_copy.set_state(strategy.broadcast_object(
-                np.random.get_state() if strategy.is_chief else None))
-        rows.pass_order = NumpyPassOrder(rows.length, joined_batch, rows.shuffle, chiefs_copy,
-                                         strategy.is_chief)
-    else:
-        order = KerasPassOrder(rows.length, joined_batch, rows.shuffle)
-        rows.pass_order = order.as_the_chiefs(strategy) if several else order
+    if seeded:
+        rows.pass_order = order.for_run(rows, rows.batch_size * strategy.num_towers, strategy)
 
 
-def order_kind(rows):
+def order_kind(rows, backend):
     """What decides the order of `rows`'s passes, as a checkpoint records
     it: "keras-tensorflow" or "keras-jax" (with `shuffle="batch"`, followed
     by the joined batch), "seeded", or None (in order).
 
     `rows` may also be a shuffled PyDataset's batches (`PyDatasetBatches`,
     or the TensorFlow source holding them): "keras-tensorflow, PyDataset" or
-    "keras-jax, PyDataset" where stock Keras's order is followed (on JAX
-    Keras draws one shuffle more, for the build), else "seeded"."""
+    "keras-jax, PyDataset" where stock Keras's order is followed on
+    `backend`, the engine's (on JAX Keras draws one shuffle more, for the
+    build), else "seeded"."""
     batches = getattr(rows, "source", rows)
     if hasattr(batches, "python_order"):
         if not getattr(batches, "shuffles", False):
             return None
         if batches.python_order is None:
             return "seeded"
-        return f"keras-{running_backend()}, PyDataset"
+        return f"keras-{backend}, PyDataset"
     if rows is None or not getattr(rows, "shuffle", False):
         return None
     if rows.pass_order is None:

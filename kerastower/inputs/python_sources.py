@@ -47,6 +47,7 @@ import numpy as np
 from kerastower import _compat
 from kerastower.errors import InputSourceError
 from kerastower.inputs import keras_order
+from kerastower.inputs import ragged_sparse
 from kerastower.inputs.dealing import joined
 from kerastower.inputs.dealing import mark_failed_batch
 from kerastower.inputs.dealing import numbered_steps
@@ -175,9 +176,10 @@ class GeneratorBatches(_Batches):
         # A chain, not the user's generator: closing it leaves theirs open.
         return itertools.chain(pending, self._source)
 
-    def first_batches(self, count=1):
+    def first_batches(self, count=1, composite_leaf=None):
         """Up to `count` first batches of the source (what the model is built
-        from), kept for the first pass when the source is one-shot."""
+        from), kept for the first pass when the source is one-shot (ragged and
+        sparse leaves: `dealing.standardized`)."""
         if self._one_shot:
             if len(self._pending) < count:
                 self._pending += list(itertools.islice(self._source, count - len(self._pending)))
@@ -186,11 +188,12 @@ class GeneratorBatches(_Batches):
             items = list(itertools.islice(iter(self._source), count))
         if not items:
             raise InputSourceError(f"The input ({self.kind}) is empty: it gave no batch.")
-        return [standardized(item, i) for i, item in enumerate(items)]
+        return [standardized(item, i, composite_leaf) for i, item in enumerate(items)]
 
     def first_batch(self):
-        """The source's first batch."""
-        return self.first_batches(1)[0]
+        """The source's first batch, as the JAX towers take it (the JAX engine
+        builds the model from it)."""
+        return self.first_batches(1, ragged_sparse.for_jax)[0]
 
     def _pass_items(self, pass_index=0, skip=0):
         # A pass: a one-shot source to its end, an iterable afresh; the
@@ -368,7 +371,7 @@ class PyDatasetBatches(_Batches):
         if not self.never_ends:
             count = min(count, self.length)
         batches = [self._dataset[i if order is None else order[i]] for i in range(count)]
-        return _standardized_batch(batches[0], 0)
+        return _standardized_batch(batches[0], 0, ragged_sparse.for_jax)
 
     @contextlib.contextmanager
     def reading(self):
@@ -476,9 +479,9 @@ class PyDatasetBatches(_Batches):
 _END = object()
 
 
-def _standardized_batch(batch, number):
+def _standardized_batch(batch, number, composite_leaf=None):
     # A bare array is `(x,)`, as Keras's reader hands it on.
-    return standardized((batch,) if isinstance(batch, np.ndarray) else batch, number)
+    return standardized((batch,) if isinstance(batch, np.ndarray) else batch, number, composite_leaf)
 
 
 def _pydataset_batches(source):

@@ -95,7 +95,7 @@ class FitSteps(Iteration):
     @property
     def array_order(self):
         rows = getattr(self.source, "rows", None)  # numpy arrays; else a PyDataset's order
-        return order_kind(self.source if rows is None else rows)
+        return order_kind(self.source if rows is None else rows, self.model.engine.backend)
 
     def start(self, skip_batches, epoch_num):
         self.feed = self.model.engine.fit_feed(self.source, self.steps_per_epoch, self.steps_per_call)

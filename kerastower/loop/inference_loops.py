@@ -10,7 +10,6 @@ step's k-th batch). Keras's test and predict callbacks run around each step.
 import keras
 import numpy as np
 
-from kerastower._backend_required import running_backend
 from kerastower import _compat
 from kerastower.errors import InputSourceError
 from kerastower.inputs import ragged_sparse
@@ -74,28 +73,20 @@ def predict_loop(model, source, steps, callbacks):
             "predict() got no batch: the input is empty (or a one-shot source "
             "already used up). Pass data with at least one example."
         )
-    return keras.tree.map_structure(lambda *parts: _joined(list(parts)), *batches)
+    return keras.tree.map_structure(lambda *parts: _joined(list(parts), engine), *batches)
 
 
-def _joined(parts):
-    """One output's steps joined as stock Keras joins its batches: numpy
-    arrays of one shape beyond the batch by `np.concatenate`; on TensorFlow,
-    anything else as Keras's TensorFlow predict joins it (ragged and sparse
-    outputs stay so); on JAX, sparse outputs and outputs of different
-    widths refused (Keras's `np.concatenate` cannot join them either)."""
-    if running_backend() == "jax":
-        if any(ragged_sparse.is_sparse(p) for p in parts):
-            raise ragged_sparse.sparse_predictions_refused()
-    elif not all(_dense(p) for p in parts) or len({tuple(p.shape[1:]) for p in parts}) > 1:
-        return _compat.tf_predictions_joined(parts)
+def _joined(parts, engine):
+    """One output's steps joined as stock Keras joins its batches: as the
+    engine's backend joins them where that is its own (ragged and sparse
+    outputs on TensorFlow), else numpy arrays of one shape beyond the batch
+    by `np.concatenate` (outputs of different widths refused, as Keras's
+    `np.concatenate` refuses them)."""
+    joined = engine.joined_outputs(parts)
+    if joined is not None:
+        return joined
     arrays = [np.asarray(p) for p in parts]
     shapes = [a.shape for a in arrays]
     if len({s[1:] for s in shapes}) > 1:
         raise ragged_sparse.describe_mismatch(shapes)
     return np.concatenate(arrays, axis=0)
-
-
-def _dense(part):
-    """Whether a TensorFlow step's output is a dense array of rank 1 or more."""
-    return (isinstance(part, np.ndarray) or hasattr(part, "numpy")) and not (
-        ragged_sparse.is_composite(part)) and len(part.shape) > 0

@@ -46,7 +46,7 @@ def test_one_tower_epochs_equal_train_on_batch_over_each_pass(shuffle):
     history = tower.fit(x, y, batch_size=B, epochs=EPOCHS, shuffle=shuffle, verbose=0)
     np.random.seed(7)
     rows = ArrayRows(N, B, shuffle)
-    keras_order.follow_keras(rows, tower.tower_strategy)
+    keras_order.follow_keras(rows, tower.tower_strategy, tower.engine.pass_order)
     rows.fix_seed()  # where no Keras seed is set: drawn as fit draws it
     if hasattr(rows.pass_order, "peek"):
         rows.pass_order.peek()  # on JAX, fit's build read a batch first, as Keras's does

@@ -29,6 +29,7 @@ from kerastower.backend.jax.metric_reset import MetricResets
 from kerastower.errors import InputSourceError
 from kerastower.inputs import preprocessing
 from kerastower.inputs import python_sources
+from kerastower.inputs import ragged_sparse
 from kerastower.inputs.chooser import kind_of
 
 __all__ = ["JaxEngine"]
@@ -36,6 +37,9 @@ __all__ = ["JaxEngine"]
 
 class JaxEngine(StepEngine):
     """Runs a TowerModel's steps with `jax.jit` over `shard_map` (see StepEngine)."""
+
+    backend = "jax"
+    pass_order = keras_order.NumpyPassOrder
 
     def __init__(self, model):
         super().__init__(model)
@@ -102,7 +106,7 @@ class JaxEngine(StepEngine):
         source = tower_batches(x, y, sample_weight, batch_size, shuffle)
         source.repeated = bool(repeat)
         if method == "fit" and getattr(source, "rows", None) is not None:
-            keras_order.follow_keras(source.rows, self.model.tower_strategy)
+            keras_order.follow_keras(source.rows, self.model.tower_strategy, self.pass_order)
         if getattr(source, "shuffle_seed", None) is not None:
             source.shuffle_seed = self.model.tower_strategy.agree_on_seed(source.shuffle_seed)
         if not steps:
@@ -169,6 +173,12 @@ class JaxEngine(StepEngine):
         if tower_batches is None:
             return None
         return self.run_towers("predict", tower_batches)
+
+    def joined_outputs(self, parts):
+        # Keras-JAX's predict joins by np.concatenate, which takes no sparse array.
+        if any(ragged_sparse.is_sparse(p) for p in parts):
+            raise ragged_sparse.sparse_predictions_refused()
+        return None
 
     @contextlib.contextmanager
     def training_metrics_kept(self):

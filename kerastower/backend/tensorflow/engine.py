@@ -31,6 +31,7 @@ from kerastower.errors import StrategyError
 from kerastower.inputs import keras_order
 from kerastower.inputs import preprocessing
 from kerastower.inputs import python_sources
+from kerastower.inputs import ragged_sparse
 from kerastower.inputs.step_failures import StepFailures
 
 __all__ = ["TensorFlowEngine"]
@@ -64,6 +65,9 @@ class StepCache:
 class TensorFlowEngine(StepEngine):
     """Runs a TowerModel's steps with `tf.distribute` (see StepEngine)."""
 
+    backend = "tensorflow"
+    pass_order = keras_order.KerasPassOrder
+
     def __init__(self, model):
         super().__init__(model)
         # Lists of variables set as model attributes would be tracked by Keras
@@ -95,7 +99,7 @@ class TensorFlowEngine(StepEngine):
         if method == "fit":
             source = as_input_source(x, y, sample_weight, batch_size, shuffle, repeat=repeat)
             if getattr(source, "rows", None) is not None:
-                keras_order.follow_keras(source.rows, self.model.tower_strategy)
+                keras_order.follow_keras(source.rows, self.model.tower_strategy, self.pass_order)
                 source.rows.fix_seed()
         elif method == "predict":
             source = as_input_source(x, batch_size=batch_size)
@@ -159,6 +163,13 @@ class TensorFlowEngine(StepEngine):
                                 f"Evaluation step {first_step + 1}", filled, failures=self.failures,
                                 one_step_calls=filled and self.model.steps_per_execution == 1)
         return StepRun(taken=run.steps, done=run.steps, logs=run.logs, final_logs=run.final_logs)
+
+    def joined_outputs(self, parts):
+        # Keras's TensorFlow predict keeps ragged and sparse outputs so, and
+        # joins outputs of different widths as ragged.
+        if not all(map(_dense, parts)) or len({tuple(p.shape[1:]) for p in parts}) > 1:
+            return _compat.tf_predictions_joined(parts)
+        return None
 
     def predict_step(self, iterator, step):
         function = self.model.make_predict_function()
@@ -264,6 +275,12 @@ class TensorFlowEngine(StepEngine):
         reading = contextlib.nullcontext() if source is None else source.reading()
         with batch_checks.original_errors(self.failures), reading:
             yield
+
+
+def _dense(part):
+    """Whether a step's output is a dense array of rank 1 or more."""
+    return (isinstance(part, np.ndarray) or hasattr(part, "numpy")) and not (
+        ragged_sparse.is_composite(part)) and len(part.shape) > 0
 
 
 def _check_gradient_accumulation(model):
