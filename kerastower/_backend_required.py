@@ -36,7 +36,6 @@ def running_backend():
     `kerastower/backend/` that must ask call it.
 
     Examples:
-        >>> import keras
         >>> from kerastower._backend_required import running_backend
         >>> running_backend() == keras.backend.backend()
         True

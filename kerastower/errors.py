@@ -19,7 +19,6 @@ class KerasTowerError(Exception):
     """Base class of every error kerastower raises on purpose.
 
     Examples:
-        >>> import kerastower as kt
         >>> try:
         ...     kt.distributed("no-such-strategy")
         ... except kt.KerasTowerError as error:
@@ -33,7 +32,6 @@ class TowerRuleError(KerasTowerError):
     e.g. created a variable inside a tower.
 
     Examples:
-        >>> import kerastower as kt
         >>> issubclass(kt.TowerRuleError, kt.KerasTowerError)
         True
     """
@@ -43,7 +41,6 @@ class InputSourceError(KerasTowerError, ValueError):
     """An input given to fit/evaluate/predict cannot feed the towers.
 
     Examples:
-        >>> import kerastower as kt
         >>> try:
         ...     kt.GeneratorInput(iter([]), None)     # a generator, not a function
         ... except kt.InputSourceError as error:
@@ -58,7 +55,6 @@ class DataMismatchError(InputSourceError):
     own error, where Keras raised one.
 
     Examples:
-        >>> import keras, numpy as np, kerastower as kt
         >>> inputs = keras.Input((3,))
         >>> model = kt.TowerModel(inputs, keras.layers.Dense(1)(inputs))
         >>> model.compile(optimizer="sgd", loss="mse")
@@ -74,7 +70,6 @@ class StrategyError(KerasTowerError, ValueError):
     """A strategy name, device list or strategy combination is not usable.
 
     Examples:
-        >>> import kerastower as kt
         >>> try:
         ...     with kt.distributed("mirrored", devices=["/cpu:99"]):
         ...         pass
@@ -90,7 +85,6 @@ class ArgumentError(KerasTowerError, TypeError, ValueError):
     `except ValueError` catch it.
 
     Examples:
-        >>> import kerastower as kt
         >>> try:
         ...     kt.use_cpu_towers("two")
         ... except ValueError as error:
@@ -111,7 +105,6 @@ class PeerFailureError(KerasTowerError):
     from the last checkpoint.
 
     Examples:
-        >>> import kerastower as kt
         >>> issubclass(kt.PeerFailureError, kt.KerasTowerError)
         True
     """
@@ -127,7 +120,6 @@ class NonFiniteError(KerasTowerError, FloatingPointError):
             not finite (empty when only another process's were).
 
     Examples:
-        >>> import keras, numpy as np, kerastower as kt
         >>> inputs = keras.Input((3,))
         >>> model = kt.TowerModel(inputs, keras.layers.Dense(1)(inputs))
         >>> model.compile(optimizer="sgd", loss="mse")
@@ -153,7 +145,7 @@ class StepFailedError(KerasTowerError):
     generator raised, else TensorFlow's error.
 
     Examples:
-        >>> import keras, numpy as np, tensorflow as tf, kerastower as kt
+        >>> import tensorflow as tf
         >>> def batches():
         ...     yield np.zeros((2, 3), "float32"), np.zeros((2, 1), "float32")
         ...     raise OSError("record 2 is unreadable")
@@ -174,7 +166,7 @@ class MonitorWriteWarning(UserWarning):
     training and checkpoints go on without those logs.
 
     Examples:
-        >>> import warnings, kerastower as kt
+        >>> import warnings
         >>> warnings.simplefilter("error", kt.MonitorWriteWarning)  # or make it fatal
     """
 

@@ -104,7 +104,6 @@ def is_keras_hub_task(model):
 
     keras_hub is never imported here: a task exists only once it is.
 
-    >>> import keras
     >>> from kerastower.functional import is_keras_hub_task
     >>> inputs = keras.Input((2,))
     >>> is_keras_hub_task(keras.Model(inputs, inputs))
@@ -129,7 +128,7 @@ class TaskTowerModel(TowerModel):
     `.keras` tower model loads back with its task and preprocessor.
 
     Examples:
-        >>> import keras, keras_hub, numpy as np, kerastower as kt
+        >>> import keras_hub
         >>> vocabulary = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]", "a", "cat", "dog"]
         >>> preprocessor = keras_hub.models.BertTextClassifierPreprocessor(
         ...     keras_hub.models.BertTokenizer(vocabulary=vocabulary), sequence_length=4)

@@ -21,8 +21,6 @@ A loss of your own normalised by your own count gets the same from
 `kt.loss_divisor(count)`:
 
 Examples:
-    >>> import keras
-    >>> import kerastower as kt
     >>> mask = keras.ops.convert_to_tensor([[1.0, 1.0, 0.0], [1.0, 0.0, 0.0]])
     >>> token_losses = keras.ops.ones((2, 3))
     >>> # Outside a tower (or on one), the divisor is the count itself.
@@ -164,7 +162,6 @@ def global_sum(value):
     too.
 
     Examples:
-        >>> import kerastower as kt
         >>> float(kt.global_sum(3.0))
         3.0
     """
@@ -199,7 +196,6 @@ def loss_divisor(count, examples=None):
     on one tower as on N.
 
     Examples:
-        >>> import kerastower as kt
         >>> float(kt.loss_divisor(7.0))   # outside a tower: the count itself
         7.0
     """

@@ -77,7 +77,6 @@ class TowerModel(backend.tower_steps(), keras.Model):
     the update of N towers is that of one device on the joined batch.
 
     Examples:
-        >>> import keras, numpy as np, kerastower as kt
         >>> inputs = keras.Input((3,))
         >>> model = kt.TowerModel(inputs, keras.layers.Dense(1)(inputs))
         >>> model.compile(optimizer="sgd", loss="mse")

@@ -25,7 +25,6 @@ class TowerSequential(TowerModel, keras.Sequential):
     batch). Create it under the strategy it trains with.
 
     Examples:
-        >>> import keras, numpy as np, kerastower as kt
         >>> model = kt.TowerSequential([keras.layers.Dense(4, activation="relu")])
         >>> model.add(keras.layers.Dense(1))
         >>> model.compile(optimizer="sgd", loss="mse")

@@ -62,7 +62,6 @@ class TowerContext:
             `kt.global_sum` and `kt.loss_divisor`.
 
     Examples:
-        >>> import kerastower as kt
         >>> with kt.TowerContext(index=1, total=2, is_training=True) as ctx:
         ...     kt.get_current_tower_context().name
         'tower1'
@@ -172,7 +171,6 @@ def get_current_tower_context():
     """Returns the active `TowerContext`, or None outside any tower.
 
     Examples:
-        >>> import kerastower as kt
         >>> kt.get_current_tower_context() is None
         True
     """

@@ -41,3 +41,33 @@ def two_towers():
     """2 towers on this backend."""
     with kt.distributed("mirrored", devices=tower_devices(2)) as strategy:
         yield strategy
+
+
+# KT_TEST_TIMELINE=<file>: each test's start, end, CPU time and time in
+# Python's garbage collector, one JSON line per test, for finding what
+# makes a test slow inside the suite when it is fast alone.
+_TIMELINE = os.environ.get("KT_TEST_TIMELINE")
+if _TIMELINE:
+    import gc
+    import json
+    import time
+
+    _gc_seconds = [0.0, None]
+
+    def _gc_timer(phase, info):
+        if phase == "start":
+            _gc_seconds[1] = time.perf_counter()
+        elif _gc_seconds[1] is not None:
+            _gc_seconds[0] += time.perf_counter() - _gc_seconds[1]
+
+    gc.callbacks.append(_gc_timer)
+
+    @pytest.hookimpl(hookwrapper=True)
+    def pytest_runtest_protocol(item, nextitem):
+        start, cpu, in_gc = time.time(), time.process_time(), _gc_seconds[0]
+        yield
+        record = {"test": item.nodeid, "worker": os.environ.get("PYTEST_XDIST_WORKER", "main"),
+                  "start": start, "seconds": time.time() - start,
+                  "cpu": time.process_time() - cpu, "gc": _gc_seconds[0] - in_gc}
+        with open(_TIMELINE, "a") as f:
+            f.write(json.dumps(record) + "\n")

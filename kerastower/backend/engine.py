@@ -10,7 +10,6 @@ source's batch s*N+k), runs the model's tower step under its
 backend (`backend/tensorflow/gradients.py`, `backend/jax/step.py`).
 
 Examples:
-    >>> import keras, numpy as np, kerastower as kt
     >>> inputs = keras.Input((3,))
     >>> model = kt.TowerModel(inputs, keras.layers.Dense(1)(inputs))
     >>> isinstance(model.engine, kt.backend.engine.StepEngine)

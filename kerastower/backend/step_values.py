@@ -83,7 +83,6 @@ class StepValues:
     in which each of `checked` differs.
 
     Examples:
-        >>> import numpy as np
         >>> from kerastower.backend.step_values import StepValues
         >>> values = StepValues("M.train_step")
         >>> values.pick({"loss": 1.0, "g_loss": np.float32(2.0)}, metric_keys={"loss"})

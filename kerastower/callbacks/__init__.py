@@ -3,7 +3,6 @@
 They mix freely with Keras callbacks in one `callbacks=[...]` list.
 
 Examples:
-    >>> import keras, numpy as np, kerastower as kt
     >>> inputs = keras.Input((3,))
     >>> model = kt.TowerModel(inputs, keras.layers.Dense(1)(inputs))
     >>> model.compile(optimizer="sgd", loss="mse")

@@ -76,7 +76,6 @@ class Callback(RunAware, keras.callbacks.Callback):
             the one that writes logs and checkpoints.
 
     Examples:
-        >>> import keras, numpy as np, kerastower as kt
         >>> inputs = keras.Input((3,))
         >>> model = kt.TowerModel(inputs, keras.layers.Dense(1)(inputs))
         >>> model.compile(optimizer="sgd", loss="mse")

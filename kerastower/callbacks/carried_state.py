@@ -24,7 +24,6 @@ Callbacks are matched by class name and order among those of the class,
 so the resumed run must be given the same callbacks.
 
 Examples:
-    >>> import keras, numpy as np
     >>> from kerastower.callbacks import carried_state
     >>> class CountEpochs(keras.callbacks.Callback):
     ...     def __init__(self):

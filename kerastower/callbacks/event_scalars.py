@@ -12,7 +12,7 @@ graph, histograms or images). When it cannot write, it warns once and
 writes nothing more in that run; training goes on.
 
 Examples:
-    >>> import keras, numpy as np, os, kerastower as kt
+    >>> import os
     >>> from kerastower.callbacks.event_scalars import ScalarTensorBoard
     >>> inputs = keras.Input((3,))
     >>> model = kt.TowerModel(inputs, keras.layers.Dense(1)(inputs))

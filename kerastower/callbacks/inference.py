@@ -42,7 +42,6 @@ class Inferencer:
     instead asks the model's compiled metrics.
 
     Examples:
-        >>> import keras, numpy as np, kerastower as kt
         >>> inputs = keras.Input((3,))
         >>> model = kt.TowerModel(inputs, keras.layers.Dense(1)(inputs))
         >>> model.compile(optimizer="sgd", loss="mse")
@@ -75,7 +74,6 @@ class ScalarStats(Inferencer):
         prefix: what the results start with.
 
     Examples:
-        >>> import keras, numpy as np, kerastower as kt
         >>> inputs = keras.Input((3,))
         >>> model = kt.TowerModel(inputs, keras.layers.Dense(1)(inputs))
         >>> model.compile(optimizer="sgd", loss="mse", metrics=["mae"])
@@ -99,7 +97,6 @@ class ClassificationError(Inferencer):
     examples when the source gives one.
 
     Examples:
-        >>> import keras, numpy as np, kerastower as kt
         >>> inputs = keras.Input((2,))
         >>> model = kt.TowerModel(inputs, keras.layers.Dense(2, activation="softmax")(inputs))
         >>> model.compile(optimizer=keras.optimizers.SGD(0.0), loss="sparse_categorical_crossentropy")
@@ -155,7 +152,6 @@ class InferenceRunner(Callback):
         batch_size: per-tower batch for arrays (default 32).
 
     Examples:
-        >>> import keras, numpy as np, kerastower as kt
         >>> inputs = keras.Input((3,))
         >>> model = kt.TowerModel(inputs, keras.layers.Dense(1)(inputs))
         >>> model.compile(optimizer="sgd", loss="mse")

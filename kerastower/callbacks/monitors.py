@@ -56,7 +56,6 @@ class ProgressBar(RunAware, keras.callbacks.ProgbarLogger):
     to the logs (InferenceRunner's val_*, samples_per_sec).
 
     Examples:
-        >>> import keras, numpy as np, kerastower as kt
         >>> inputs = keras.Input((3,))
         >>> model = kt.TowerModel(inputs, keras.layers.Dense(1)(inputs))
         >>> model.compile(optimizer="sgd", loss="mse")
@@ -151,7 +150,6 @@ class ThroughputTracker(Callback):
     end), measured since the epoch began or the last trigger, the later.
 
     Examples:
-        >>> import keras, numpy as np, kerastower as kt
         >>> inputs = keras.Input((3,))
         >>> model = kt.TowerModel(inputs, keras.layers.Dense(1)(inputs))
         >>> model.compile(optimizer="sgd", loss="mse")
@@ -184,7 +182,6 @@ class EstimatedTimeLeft(Callback):
     epoch): the median epoch time so far times the epochs still to run.
 
     Examples:
-        >>> import keras, numpy as np, kerastower as kt
         >>> inputs = keras.Input((3,))
         >>> model = kt.TowerModel(inputs, keras.layers.Dense(1)(inputs))
         >>> model.compile(optimizer="sgd", loss="mse")
@@ -224,7 +221,6 @@ class ScalarPrinter(Callback):
         whitelist: names to print (default: all).
 
     Examples:
-        >>> import keras, numpy as np, kerastower as kt
         >>> inputs = keras.Input((3,))
         >>> model = kt.TowerModel(inputs, keras.layers.Dense(1)(inputs))
         >>> model.compile(optimizer="sgd", loss="mse")
@@ -253,7 +249,6 @@ class JSONWriter(Callback):
     it resumed from and appends after them.
 
     Examples:
-        >>> import keras, numpy as np, kerastower as kt
         >>> inputs = keras.Input((3,))
         >>> model = kt.TowerModel(inputs, keras.layers.Dense(1)(inputs))
         >>> model.compile(optimizer="sgd", loss="mse")
@@ -334,7 +329,6 @@ class TensorBoard(RunAware, keras.callbacks.TensorBoard):
     docstring).
 
     Examples:
-        >>> import keras, numpy as np, kerastower as kt
         >>> inputs = keras.Input((3,))
         >>> model = kt.TowerModel(inputs, keras.layers.Dense(1)(inputs))
         >>> model.compile(optimizer="sgd", loss="mse")
@@ -409,7 +403,6 @@ class PeakMemoryTracker(Callback):
     is the peak since the process started.
 
     Examples:
-        >>> import keras, numpy as np, kerastower as kt
         >>> inputs = keras.Input((3,))
         >>> model = kt.TowerModel(inputs, keras.layers.Dense(1)(inputs))
         >>> model.compile(optimizer="sgd", loss="mse")

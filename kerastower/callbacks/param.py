@@ -89,7 +89,6 @@ class HyperParamSetter(Callback):
     update outside the step, it applies to all towers at once.
 
     Examples:
-        >>> import keras, numpy as np, kerastower as kt
         >>> inputs = keras.Input((3,))
         >>> model = kt.TowerModel(inputs, keras.layers.Dense(1)(inputs))
         >>> model.compile(optimizer=keras.optimizers.SGD(0.1), loss="mse")
@@ -163,7 +162,6 @@ class ScheduledHyperParamSetter(HyperParamSetter):
         step_based: read the schedule in steps instead of epochs.
 
     Examples:
-        >>> import keras, numpy as np, kerastower as kt
         >>> inputs = keras.Input((3,))
         >>> model = kt.TowerModel(inputs, keras.layers.Dense(1)(inputs))
         >>> model.compile(optimizer="sgd", loss="mse")
@@ -221,7 +219,6 @@ class HyperParamSetterWithFunc(HyperParamSetter):
     `epoch_num` is the 1-based number of the epoch about to begin.
 
     Examples:
-        >>> import keras, numpy as np, kerastower as kt
         >>> inputs = keras.Input((3,))
         >>> model = kt.TowerModel(inputs, keras.layers.Dense(1)(inputs))
         >>> model.compile(optimizer=keras.optimizers.SGD(0.1), loss="mse")
@@ -253,7 +250,6 @@ class StatMonitorParamSetter(HyperParamSetter):
     stat should become higher instead (e.g. accuracy).
 
     Examples:
-        >>> import keras, numpy as np, kerastower as kt
         >>> inputs = keras.Input((3,))
         >>> model = kt.TowerModel(inputs, keras.layers.Dense(1)(inputs))
         >>> model.compile(optimizer=keras.optimizers.SGD(1e-6), loss="mse")

@@ -71,7 +71,6 @@ class ModelSaver(Callback):
             (`time.time`; a test may replace it).
 
     Examples:
-        >>> import keras, numpy as np, kerastower as kt
         >>> inputs = keras.Input((3,))
         >>> model = kt.TowerModel(inputs, keras.layers.Dense(1)(inputs))
         >>> model.compile(optimizer="sgd", loss="mse")
@@ -260,7 +259,7 @@ class MinSaver(_BestSaver):
     run's log folder (`fit(..., logdir=...)`).
 
     Examples:
-        >>> import os, keras, numpy as np, kerastower as kt
+        >>> import os
         >>> inputs = keras.Input((3,))
         >>> model = kt.TowerModel(inputs, keras.layers.Dense(1)(inputs))
         >>> model.compile(optimizer="sgd", loss="mse")
@@ -281,7 +280,7 @@ class MaxSaver(_BestSaver):
     (`fit(..., logdir=...)`): `runs/1/max-val_accuracy.keras`.
 
     Examples:
-        >>> import os, keras, numpy as np, kerastower as kt
+        >>> import os
         >>> inputs = keras.Input((2,))
         >>> model = kt.TowerModel(inputs, keras.layers.Dense(2, activation="softmax")(inputs))
         >>> model.compile(optimizer="sgd", loss="sparse_categorical_crossentropy", metrics=["accuracy"])
@@ -356,7 +355,6 @@ class AutoResume(Callback):
             a hung input) no longer holds the machine. None waits forever.
 
     Examples:
-        >>> import keras, numpy as np, kerastower as kt
         >>> def train(epochs):
         ...     inputs = keras.Input((3,))
         ...     model = kt.TowerModel(inputs, keras.layers.Dense(1)(inputs))

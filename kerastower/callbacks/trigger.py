@@ -75,7 +75,6 @@ class ProxyCallback(Callback):
     template methods, calling `super()` to forward.
 
     Examples:
-        >>> import keras, numpy as np, kerastower as kt
         >>> inputs = keras.Input((3,))
         >>> model = kt.TowerModel(inputs, keras.layers.Dense(1)(inputs))
         >>> model.compile(optimizer="sgd", loss="mse")
@@ -215,7 +214,6 @@ class PeriodicTrigger(ProxyCallback):
         every_k_epochs: trigger at the end of epochs divisible by k.
 
     Examples:
-        >>> import keras, numpy as np, kerastower as kt
         >>> inputs = keras.Input((3,))
         >>> model = kt.TowerModel(inputs, keras.layers.Dense(1)(inputs))
         >>> model.compile(optimizer="sgd", loss="mse")
@@ -284,7 +282,6 @@ class EnableCallbackIf(ProxyCallback):
         pred: `pred(callback)` -> bool.
 
     Examples:
-        >>> import keras, numpy as np, kerastower as kt
         >>> inputs = keras.Input((3,))
         >>> model = kt.TowerModel(inputs, keras.layers.Dense(1)(inputs))
         >>> model.compile(optimizer="sgd", loss="mse")

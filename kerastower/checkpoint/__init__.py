@@ -59,7 +59,7 @@ where it cannot, reading one raises a KerasTowerError saying TensorFlow is
 needed (kerastower/checkpoint/variables.py).
 
 Examples:
-    >>> import os, tempfile, keras, numpy as np, kerastower as kt
+    >>> import os, tempfile
     >>> folder = tempfile.mkdtemp()
     >>> inputs = keras.Input((3,))
     >>> model = kt.TowerModel(inputs, keras.layers.Dense(1)(inputs))

@@ -60,7 +60,6 @@ class DamagedCheckpointError(KerasTowerError):
         reason: what is wrong with it, in words.
 
     Examples:
-        >>> import keras, numpy as np, kerastower as kt
         >>> inputs = keras.Input((3,))
         >>> model = kt.TowerModel(inputs, keras.layers.Dense(1)(inputs))
         >>> path = kt.checkpoint.write_checkpoint(

@@ -20,7 +20,6 @@ trusted by name. A place is stable under changes that keep the structure:
 adding a layer without weights (Dropout) moves no Dense's rank.
 
 Examples:
-    >>> import keras
     >>> from kerastower.checkpoint.places import variable_places
     >>> first, second = keras.layers.Dense(2), keras.layers.Dense(2)
     >>> inputs = keras.Input((2,))

@@ -40,7 +40,6 @@ class CheckpointMismatchError(KerasTowerError):
             value the model's dtype cannot hold.
 
     Examples:
-        >>> import keras, numpy as np, kerastower as kt
         >>> inputs = keras.Input((3,))
         >>> model = kt.TowerModel(inputs, keras.layers.Dense(1)(inputs))
         >>> path = kt.checkpoint.write_checkpoint(
@@ -216,7 +215,6 @@ def read_checkpoint(path, model, allow_partial=False):
     a mismatch.
 
     Examples:
-        >>> import keras, numpy as np, kerastower as kt
         >>> inputs = keras.Input((3,))
         >>> model = kt.TowerModel(inputs, keras.layers.Dense(1)(inputs))
         >>> path = kt.checkpoint.write_checkpoint(
@@ -301,7 +299,6 @@ def restore_latest(directory, model, allow_partial=False):
     intact, raises a KerasTowerError naming each and its reason.
 
     Examples:
-        >>> import keras, numpy as np, kerastower as kt
         >>> inputs = keras.Input((3,))
         >>> model = kt.TowerModel(inputs, keras.layers.Dense(1)(inputs))
         >>> path = kt.checkpoint.write_checkpoint(

@@ -35,7 +35,6 @@ class NonFiniteCheckpointError(KerasTowerError):
         variables: the keys of the variables that were not finite.
 
     Examples:
-        >>> import keras, numpy as np, kerastower as kt
         >>> inputs = keras.Input((3,))
         >>> model = kt.TowerModel(inputs, keras.layers.Dense(1)(inputs))
         >>> _ = model.layers[-1].kernel.assign(np.full((3, 1), np.nan))
@@ -65,7 +64,6 @@ def list_checkpoints(directory):
     oldest first, as (step, path); `verify_checkpoint` says which are intact.
 
     Examples:
-        >>> import keras, numpy as np, kerastower as kt
         >>> inputs = keras.Input((3,))
         >>> model = kt.TowerModel(inputs, keras.layers.Dense(1)(inputs))
         >>> path = kt.checkpoint.write_checkpoint(
@@ -84,7 +82,6 @@ def verify_checkpoint(path):
     finite; else raises DamagedCheckpointError saying why.
 
     Examples:
-        >>> import keras, numpy as np, kerastower as kt
         >>> inputs = keras.Input((3,))
         >>> model = kt.TowerModel(inputs, keras.layers.Dense(1)(inputs))
         >>> path = kt.checkpoint.write_checkpoint(
@@ -105,7 +102,6 @@ def latest_checkpoint(directory):
     """The path of the newest intact checkpoint in `directory`, or None.
 
     Examples:
-        >>> import keras, numpy as np, kerastower as kt
         >>> inputs = keras.Input((3,))
         >>> model = kt.TowerModel(inputs, keras.layers.Dense(1)(inputs))
         >>> path = kt.checkpoint.write_checkpoint(
@@ -127,7 +123,7 @@ def clean_up(directory):
     returns the paths removed. One process writes a directory at a time.
 
     Examples:
-        >>> import os, kerastower as kt
+        >>> import os
         >>> os.makedirs("ckpt/.writing-1234")       # what a save killed midway leaves
         >>> kt.checkpoint.clean_up("ckpt")
         ['ckpt/.writing-1234']
@@ -186,7 +182,6 @@ def write_checkpoint(directory, model, state, retention=None, callback_arrays=No
     position, which a resume reads); other JSON-able keys are kept.
 
     Examples:
-        >>> import keras, kerastower as kt
         >>> inputs = keras.Input((3,))
         >>> model = kt.TowerModel(inputs, keras.layers.Dense(1)(inputs))
         >>> kt.checkpoint.write_checkpoint(

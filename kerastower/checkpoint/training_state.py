@@ -17,7 +17,6 @@ def training_optimizers(model):
     each once.
 
     Examples:
-        >>> import keras, kerastower as kt
         >>> from kerastower.checkpoint.training_state import training_optimizers
         >>> model = kt.TowerModel(keras.Input((2,)), keras.Input((2,)))
         >>> model.gan_optimizers = [keras.optimizers.Adam(name="g"), keras.optimizers.SGD(name="d")]

@@ -21,7 +21,6 @@ input is one `register_input_kind` call, which says how it reads as one of
 these; both backends then take it.
 
 Examples:
-    >>> import numpy as np
     >>> from kerastower.inputs.chooser import choose
     >>> choose(np.ones((4, 2)), np.zeros(4), batch_size=2).kind
     'arrays'
@@ -81,8 +80,6 @@ def register_input_kind(name, matches, convert):
     again replaces it.
 
     Examples:
-        >>> import numpy as np
-        >>> import kerastower as kt
         >>> class Table:  # columns by name, the label among them
         ...     def __init__(self, columns):
         ...         self.columns = columns

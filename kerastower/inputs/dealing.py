@@ -13,7 +13,6 @@ This module imports neither TensorFlow nor JAX (ragged_sparse.py touches
 them only for a batch that holds their ragged or sparse tensors).
 
 Examples:
-    >>> import numpy as np
     >>> from kerastower.inputs.dealing import deal
     >>> steps = deal((np.full((2, 1), i, "float32") for i in range(5)), num_towers=2)
     >>> [[b[0, 0].item() for b in step] for step in steps]

@@ -27,7 +27,6 @@ Measured with Keras 3.15 on TensorFlow 2.21: with the seed set, stock
 Keras's pipeline gives every epoch the same order (a new iterator of one
 pipeline per epoch replays its seeded shuffle); this module gives the same.
 
-    >>> import keras, numpy as np
     >>> from kerastower.inputs.keras_order import KerasPassOrder
     >>> keras.utils.set_random_seed(0)
     >>> order = KerasPassOrder(length=10, joined_batch=4, shuffle=True)

@@ -43,7 +43,6 @@ def preprocesses(model):
     """Whether `model` preprocesses its raw inputs: it has a preprocessor
     and KerasHub's `preprocess_samples` (a KerasHub task in a TaskTowerModel).
 
-    >>> import keras
     >>> from kerastower.inputs.preprocessing import preprocesses
     >>> preprocesses(keras.Sequential([keras.layers.Dense(1)]))
     False
@@ -76,7 +75,6 @@ def preprocessed(model, x, y=None, sample_weight=None, batch_size=None, repeat=F
     order, endless with `repeat`; a `tf.data.Dataset` is mapped as it is.
 
     Examples:
-        >>> import keras, numpy as np
         >>> from kerastower.inputs.preprocessing import preprocessed
         >>> class Doubling(keras.Model):
         ...     preprocessor = "doubles x"
@@ -106,7 +104,6 @@ def preprocessed_validation(model, validation_data, batch_size):
     of preprocessed batches (`batch_size` examples each, for arrays), as
     KerasHub preprocesses it; unchanged for any other model.
 
-    >>> import keras
     >>> from kerastower.inputs.preprocessing import preprocessed_validation
     >>> preprocessed_validation(keras.Sequential(), ("x", "y"), 8)
     ('x', 'y')

@@ -227,7 +227,7 @@ class SourceFeeds:
     that a run stops those it made (`reading`) and no other run's.
 
     Examples:
-        >>> import numpy as np, tensorflow as tf
+        >>> import tensorflow as tf
         >>> from kerastower.inputs.python_feed import SourceFeeds, feed_dataset
         >>> feeds = SourceFeeds()
         >>> def items():

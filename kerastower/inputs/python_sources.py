@@ -27,7 +27,6 @@ batches itself (`backend/jax/inputs.py`), and the TensorFlow engine feeds
 them to tf.data (`backend/tensorflow/python_input.py`).
 
 Examples:
-    >>> import numpy as np
     >>> from kerastower.inputs.python_sources import GeneratorBatches
     >>> batches = (np.full((2, 1), i, "float32") for i in range(5))
     >>> steps = GeneratorBatches(batches).one_pass(num_towers=2)
@@ -138,7 +137,7 @@ class GeneratorBatches(_Batches):
     `(x, y, sample_weight)`.
 
     Examples:
-        >>> import itertools, numpy as np
+        >>> import itertools
         >>> from kerastower.inputs.python_sources import GeneratorBatches
         >>> GeneratorBatches(itertools.repeat(np.ones((2, 3)))).never_ends
         True
@@ -280,7 +279,6 @@ class PyDatasetBatches(_Batches):
     `on_epoch_end()` (Keras's `EpochIterator.reset()`).
 
     Examples:
-        >>> import keras, numpy as np
         >>> from kerastower.inputs.python_sources import PyDatasetBatches
         >>> class Tens(keras.utils.PyDataset):
         ...     def __len__(self):

@@ -23,7 +23,6 @@ towers need, none of which changes a number:
 This module imports TensorFlow or JAX only to handle their own values.
 
 Examples:
-    >>> import numpy as np
     >>> from kerastower.inputs import ragged_sparse
     >>> ragged_sparse.is_composite(np.ones((2, 3)))
     False

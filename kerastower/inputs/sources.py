@@ -43,7 +43,6 @@ TowerInputContext.__doc__ = """What a per-tower pipeline function is told:
 `index` is the tower (0-based) whose pipeline is being built, `total` the
 number of towers.
 
->>> import kerastower as kt
 >>> kt.TowerInputContext(index=0, total=2)
 TowerInputContext(index=0, total=2)
 """
@@ -58,7 +57,7 @@ class InputSource:
     its own.
 
     Examples:
-        >>> import numpy as np, tensorflow as tf, kerastower as kt
+        >>> import tensorflow as tf
         >>> class TowerIndex(kt.InputSource):
         ...     per_tower = True
         ...     def _tower_dataset(self, ctx):        # tower ctx.index of ctx.total
@@ -100,7 +99,7 @@ class InputSource:
         inside it; the source can be read again afterwards.
 
         Examples:
-            >>> import numpy as np, tensorflow as tf, kerastower as kt
+            >>> import tensorflow as tf
             >>> def batches():
             ...     while True:
             ...         yield np.ones((2, 3), "float32")
@@ -188,7 +187,7 @@ class InputSource:
         ends at its known length (`steps`).
 
         Examples:
-            >>> import tensorflow as tf, kerastower as kt
+            >>> import tensorflow as tf
             >>> six = kt.DatasetInput(tf.data.Dataset.range(12).batch(2))
             >>> six.fills_every_step(1), six.fills_every_step(2), six.fills_every_step(4)
             (True, True, False)
@@ -267,7 +266,7 @@ class DatasetInput(InputSource):
             batched pipeline of tower `ctx.index` out of `ctx.total`.
 
     Examples:
-        >>> import tensorflow as tf, kerastower as kt
+        >>> import tensorflow as tf
         >>> shared = kt.DatasetInput(tf.data.Dataset.range(8).batch(2))
         >>> per_tower = kt.DatasetInput(
         ...     lambda ctx: tf.data.Dataset.range(8).shard(ctx.total, ctx.index).batch(2))
@@ -310,7 +309,7 @@ class GeneratorInput(InputSource):
         prefetch: how many items to prepare ahead (0: each when it is taken).
 
     Examples:
-        >>> import numpy as np, tensorflow as tf, kerastower as kt
+        >>> import tensorflow as tf
         >>> def batches():
         ...     for _ in range(4):
         ...         yield np.ones((2, 3), "float32"), np.zeros((2,), "int32")
@@ -373,7 +372,6 @@ class DummyConstantInput(InputSource):
             whose shapes are fully known (they become zeros).
 
     Examples:
-        >>> import numpy as np, kerastower as kt
         >>> source = kt.DummyConstantInput((np.zeros((4, 8), "float32"), np.zeros((4,), "int32")))
     """
 

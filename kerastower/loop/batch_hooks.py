@@ -11,7 +11,6 @@ always handed: the bar's count ends there. Keras 3.10-3.14's bar averages
 the values of the steps handed: it gets every step.
 
 Examples:
-    >>> import keras, numpy as np, kerastower as kt
     >>> seen = []
     >>> class Every(keras.callbacks.Callback):
     ...     def on_train_batch_end(self, batch, logs=None):

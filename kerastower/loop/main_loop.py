@@ -37,7 +37,6 @@ class StopTraining(Exception):
     callback's `_after_train` runs, and `fit` / `train()` return normally.
 
     Examples:
-        >>> import kerastower as kt
         >>> class TenSteps(kt.Trainer):
         ...     def run_step(self):
         ...         if self.global_step == 10:
@@ -79,7 +78,6 @@ class LoopState:
             arrays (fit's `batch_size`); None when the source batches itself.
 
     Examples:
-        >>> import keras, numpy as np, kerastower as kt
         >>> class PrintWhere(keras.callbacks.Callback):
         ...     def on_epoch_end(self, epoch, logs=None):
         ...         loop = self.model.loop

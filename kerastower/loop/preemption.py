@@ -85,7 +85,6 @@ class Preempted(SystemExit):
             that was not signalled itself.
 
     Examples:
-        >>> import kerastower as kt
         >>> issubclass(kt.Preempted, SystemExit)
         True
     """

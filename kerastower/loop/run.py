@@ -50,7 +50,6 @@ class TrainingRun:
         restored_from: the checkpoint this run resumed from, or None.
 
     Examples:
-        >>> import keras, numpy as np, kerastower as kt
         >>> class Watch(kt.callbacks.Callback):
         ...     def _after_train(self):
         ...         print(self.training_run.name, self.training_run.state.global_step)

@@ -36,7 +36,6 @@ class TowerStrategy:
     `TFDistributeStrategy` on TensorFlow, `JaxTowerStrategy` on JAX.
 
     Examples:
-        >>> import kerastower as kt
         >>> class OneProcess(kt.TowerStrategy):
         ...     num_towers = 1
         >>> strategy = OneProcess("mine")

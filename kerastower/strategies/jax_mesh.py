@@ -50,7 +50,6 @@ def use_cpu_towers(num_towers):
     first ones.
 
     Examples:
-        >>> import kerastower as kt
         >>> devices = kt.use_cpu_towers(2)      # first thing in the program
         >>> devices
         ['/cpu:0', '/cpu:1']

@@ -125,7 +125,7 @@ def register_strategy(name, factory, backend=None):
             default: the one Keras runs.
 
     Examples:
-        >>> import tensorflow as tf, kerastower as kt
+        >>> import tensorflow as tf
         >>> def first_cpu(devices):
         ...     return kt.strategies.TFDistributeStrategy("first_cpu", tf.distribute.OneDeviceStrategy("/cpu:0"))
         >>> kt.register_strategy("first_cpu", first_cpu, backend="tensorflow")
@@ -147,7 +147,6 @@ def strategy_names():
     """The names `kt.distributed` accepts on the backend Keras runs, sorted.
 
     Examples:
-        >>> import kerastower as kt
         >>> {"single", "mirrored"} <= set(kt.strategy_names())
         True
     """
@@ -211,7 +210,6 @@ class distributed:
             (entering the block), before anything runs on it.
 
     Examples:
-        >>> import keras, numpy as np, kerastower as kt
         >>> @kt.distributed("mirrored", devices=["/cpu:0", "/cpu:1"])
         ... def train():
         ...     inputs = keras.Input((3,))

@@ -34,7 +34,6 @@ class TFDistributeStrategy(TowerStrategy):
     `kt.distributed(name)` makes one and enters it:
 
     Examples:
-        >>> import kerastower as kt
         >>> with kt.distributed("mirrored", devices=["/cpu:0", "/cpu:1"]) as strategy:
         ...     print(type(strategy).__name__, strategy.num_towers, strategy.single_process)
         TFDistributeStrategy 2 True

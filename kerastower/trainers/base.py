@@ -103,7 +103,6 @@ class Trainer:
         loop: the `kt.LoopState`, whose `global_step` counts iterations.
 
     Examples:
-        >>> import kerastower as kt
         >>> class Counter(kt.Trainer):
         ...     def _setup(self):
         ...         self.count = self.add_variable("count")   # checkpointed, resumed

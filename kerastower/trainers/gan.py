@@ -45,7 +45,7 @@ class GANModel(TowerModel):
         seed: seeds the noise (each tower draws its own).
 
     Examples:
-        >>> import keras, numpy as np, tensorflow as tf, kerastower as kt
+        >>> import tensorflow as tf
         >>> generator = keras.Sequential([keras.Input((4,)), keras.layers.Dense(2)])
         >>> discriminator = keras.Sequential([keras.Input((2,)), keras.layers.Dense(1)])
         >>> gan = kt.GANModel(generator, discriminator)
@@ -170,7 +170,7 @@ class GANTrainer(Trainer):
             `kt.InputSource` or `tf.data.Dataset`.
 
     Examples:
-        >>> import keras, numpy as np, tensorflow as tf, kerastower as kt
+        >>> import tensorflow as tf
         >>> gan = kt.GANModel(keras.Sequential([keras.Input((4,)), keras.layers.Dense(2)]),
         ...                   keras.Sequential([keras.Input((2,)), keras.layers.Dense(1)]))
         >>> gan.compile(g_optimizer=keras.optimizers.Adam(1e-3), d_optimizer=keras.optimizers.Adam(1e-3))
@@ -217,7 +217,7 @@ class SeparateGANTrainer(GANTrainer):
         g_period: iterations between generator steps.
 
     Examples:
-        >>> import keras, numpy as np, tensorflow as tf, kerastower as kt
+        >>> import tensorflow as tf
         >>> gan = kt.GANModel(keras.Sequential([keras.Input((4,)), keras.layers.Dense(2)]),
         ...                   keras.Sequential([keras.Input((2,)), keras.layers.Dense(1)]))
         >>> gan.compile(g_optimizer=keras.optimizers.Adam(1e-3), d_optimizer=keras.optimizers.Adam(1e-3))

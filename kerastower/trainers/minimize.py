@@ -47,7 +47,6 @@ def minimize(optimizer, loss_fn, variables):
         variables: the variables to update.
 
     Examples:
-        >>> import keras, kerastower as kt
         >>> weight = keras.Variable(3.0)
         >>> optimizer = keras.optimizers.SGD(0.25)
         >>> optimizer.build([weight])

@@ -12,6 +12,8 @@ import numpy as np
 import pytest
 
 import kerastower as kt
+from tests.helpers.doctests import examples_of
+from tests.helpers.doctests import run_examples
 
 
 FEATURES = 64  # a batch of 2: the product's operands, 2x64 each, are smaller than the 64x64 kernel
@@ -284,10 +286,10 @@ def test_a_keras_models_fit_step_takes_the_bound_for_its_wide_kernel(monkeypatch
     assert bounded == [(32, FEATURES), None, (FEATURES, 3), None]
 
 
-def test_the_modules_example_runs():
-    import doctest
-
+def test_the_modules_example_runs(tmp_path):
     from kerastower.backend.jax import finite_check
 
-    failures, tried = doctest.testmod(finite_check, optionflags=doctest.ELLIPSIS)
-    assert tried and not failures
+    tests = examples_of(finite_check)
+    assert tests
+    failures = run_examples(tests, tmp_path)
+    assert not failures, failures[-3000:]

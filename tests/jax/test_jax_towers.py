@@ -1,7 +1,6 @@
 """Towers on JAX: contexts, exact evaluation, predict order, the short last
 step, and the errors TensorFlow-only features give."""
 
-import doctest
 import os
 import re
 
@@ -20,6 +19,8 @@ from kerastower.backend.jax import placement as jax_placement
 from tests.jax.helpers import TowerRecorder
 
 from tests.helpers.common import ROOT
+from tests.helpers.doctests import examples_of
+from tests.helpers.doctests import run_examples
 
 
 def _model(recorder=None, devices=(0, 1)):
@@ -102,12 +103,11 @@ def test_the_jax_page_and_docstrings_run(tmp_path, monkeypatch):
         exec(compile(block, "docs/jax.md", "exec"), {"__name__": "docs_jax"})
     from kerastower.backend.jax import optimizer_apply
 
-    for module in (jax_model, jax_inputs, jax_strategies, jax_placement, event_scalars, defaults,
-                   kt.minimize, kt.Trainer, optimizer_apply):
-        for test in doctest.DocTestFinder().find(module):
-            if test.examples:
-                result = doctest.DocTestRunner().run(test)
-                assert result.failed == 0, test.name
+    tests = [test for owner in (jax_model, jax_inputs, jax_strategies, jax_placement, event_scalars,
+                                defaults, kt.minimize, kt.Trainer, optimizer_apply)
+             for test in examples_of(owner)]
+    failures = run_examples(tests, tmp_path)
+    assert not failures, failures[-3000:]
 
 
 def _towers_run(branch, num_towers=2):

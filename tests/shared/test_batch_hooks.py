@@ -17,6 +17,8 @@ from kerastower.errors import NonFiniteError
 
 from tests.helpers.common import id_data
 from tests.helpers.common import mlp
+from tests.helpers.doctests import examples_of
+from tests.helpers.doctests import run_examples
 
 STEPS = 4  # 32 examples, 2 towers of 4
 
@@ -308,11 +310,11 @@ def test_the_progress_bar_shows_its_first_step_then_one_each_half_interval(monke
     assert [quiet.shows(0), quiet.shows(1), quiet.shows(2)] == [True, False, False]
 
 
-def test_the_modules_example_runs():
+def test_the_modules_example_runs(tmp_path):
     """pytest does not collect module doctests in this project: run it here."""
-    import doctest
-
     from kerastower.loop import batch_hooks
 
-    result = doctest.testmod(batch_hooks, optionflags=doctest.ELLIPSIS)
-    assert result.attempted > 0 and result.failed == 0
+    tests = examples_of(batch_hooks)
+    assert tests
+    failures = run_examples(tests, tmp_path)
+    assert not failures, failures[-3000:]

@@ -7,7 +7,6 @@ N x B examples a step: the N batches of each step joined. Weights and every
 logged value must agree, as in test_jax_equivalence.py.
 """
 
-import doctest
 import itertools
 import threading
 
@@ -21,6 +20,8 @@ from tests.helpers.common import BACKEND
 from tests.helpers.common import Stop
 from tests.helpers.common import StopAt
 from tests.helpers.common import tower_devices
+from tests.helpers.doctests import examples_of
+from tests.helpers.doctests import run_examples
 
 import kerastower as kt
 from kerastower.inputs import dealing
@@ -330,16 +331,16 @@ def test_validation_data_from_a_generator_with_arrays_to_train():
     np.testing.assert_allclose(history.history["val_loss"][0], expected["loss"], atol=1e-6)
 
 
-def test_the_module_docstrings_run():
+def test_the_module_docstrings_run(tmp_path):
     modules = [dealing, python_sources]
     if BACKEND == "tensorflow":
-        from kerastower.inputs import python_input
+        from kerastower.backend.tensorflow import python_input
 
         modules.append(python_input)
-    tests = [t for m in modules for t in doctest.DocTestFinder().find(m) if t.examples]
+    tests = [t for m in modules for t in examples_of(m)]
     assert tests
-    for test in tests:
-        assert doctest.DocTestRunner().run(test).failed == 0, test.name
+    failures = run_examples(tests, tmp_path)
+    assert not failures, failures[-3000:]
 
 
 def test_a_pydataset_with_workers_is_read_ahead_by_keras_reader_threads_in_order():

@@ -2,7 +2,6 @@
 runnable example in its docstring. README.md's examples run as written, in
 a fresh process on each backend: tests/shared/test_readme.py."""
 
-import doctest
 import os
 import re
 
@@ -11,6 +10,9 @@ import pytest
 import kerastower as kt
 
 from tests.helpers.common import ROOT
+from tests.helpers.doctests import examples_of
+from tests.helpers.doctests import run_examples
+
 PAGES = sorted(
     os.path.join("docs", name) for name in os.listdir(os.path.join(ROOT, "docs"))
     if name.endswith(".md") and name != "jax.md"  # tests/jax/ runs its examples
@@ -76,15 +78,9 @@ PUBLIC_NAMES = (
 
 
 @pytest.mark.parametrize("module,name", PUBLIC_NAMES)
-def test_every_public_name_has_a_docstring_example_that_runs(module, name, tmp_path, monkeypatch):
-    monkeypatch.chdir(tmp_path)  # examples that write files write them here
+def test_every_public_name_has_a_docstring_example_that_runs(module, name, tmp_path):
     owner = {"kt": kt, "kt.callbacks": kt.callbacks, "kt.checkpoint": kt.checkpoint}[module]
-    found = doctest.DocTestFinder(recurse=False).find(
-        getattr(owner, name), name=f"{module}.{name}", globs={}
-    )
-    assert any(test.examples for test in found), f"{module}.{name}'s docstring has no >>> example"
-    report = []
-    runner = doctest.DocTestRunner(optionflags=doctest.ELLIPSIS | doctest.NORMALIZE_WHITESPACE)
-    for test in found:
-        runner.run(test, out=report.append)
-    assert runner.failures == 0, "".join(report)[-3000:]
+    found = examples_of(getattr(owner, name), name=f"{module}.{name}", recurse=False)
+    assert found, f"{module}.{name}'s docstring has no >>> example"
+    failures = run_examples(found, tmp_path)
+    assert not failures, failures[-3000:]

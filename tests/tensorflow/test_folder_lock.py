@@ -1,7 +1,6 @@
 """One run per folder (kerastower/checkpoint/folder_lock.py), with real
 processes: a second run refuses, a killed run's lock is taken over."""
 
-import doctest
 import json
 import os
 import signal
@@ -15,6 +14,9 @@ import pytest
 
 from kerastower.checkpoint import folder_lock
 from kerastower.checkpoint.folder_lock import LOCK_NAME, FolderLock, FolderLockedError
+
+from tests.helpers.doctests import examples_of
+from tests.helpers.doctests import run_examples
 
 PACKAGE = os.path.dirname(os.path.dirname(os.path.abspath(folder_lock.__file__)))
 
@@ -324,8 +326,9 @@ def test_a_lock_of_another_host_is_refused_and_says_how_to_remove_it(tmp_path):
     assert lock_record(folder) == record
 
 
-def test_the_module_docstring_examples_run(tmp_path, monkeypatch):
+def test_the_module_docstring_examples_run(tmp_path):
     """pytest does not collect module doctests in this project: run them here."""
-    monkeypatch.chdir(tmp_path)
-    result = doctest.testmod(folder_lock, optionflags=doctest.ELLIPSIS)
-    assert result.attempted >= 10 and result.failed == 0
+    tests = examples_of(folder_lock)
+    assert sum(len(test.examples) for test in tests) >= 10
+    failures = run_examples(tests, tmp_path)
+    assert not failures, failures[-3000:]

@@ -12,7 +12,6 @@ gives batches as Keras's JAX adapters give them (ragged rows padded, a
 sparse batch a BCOO; ragged_sparse.py says how the towers differ).
 
 Examples:
-    >>> import numpy as np
     >>> from kerastower.backend.jax.array_batches import ArrayBatches
     >>> batches = ArrayBatches(np.arange(10.0)[:, None], np.zeros(10), batch_size=2)
     >>> [[b[0][:, 0].tolist() for b in step] for step in batches.one_pass(num_towers=2)]

@@ -83,7 +83,7 @@ def step_checks_finite(model):
 
     Example:
 
-    >>> import keras
+    >>> from kerastower.backend.jax.finite_check import step_checks_finite
     >>> model = keras.Sequential([keras.layers.Dense(1)])
     >>> model.compile(optimizer=keras.optimizers.LossScaleOptimizer(keras.optimizers.SGD()))
     >>> step_checks_finite(model)
@@ -135,6 +135,7 @@ class CheckedGradients:
         Example:
 
         >>> import jax.numpy as jnp
+        >>> from kerastower.backend.jax.finite_check import CheckedGradients
         >>> checked = CheckedGradients.of([jnp.array([1.0, jnp.nan])])
         >>> new, finite = checked.apply_if_finite(
         ...     lambda g: g[0] * 2, lambda: jnp.zeros(2), jnp.asarray(True))
@@ -169,6 +170,7 @@ def checked_gradients(branch, *args, defer_products=True):
     Example:
 
     >>> import jax, jax.numpy as jnp
+    >>> from kerastower.backend.jax.finite_check import checked_gradients
     >>> def step(w, x):
     ...     return [jax.grad(lambda w: jnp.sum(jnp.tanh(x @ w)))(w)], x
     >>> def checked_step(w, x):

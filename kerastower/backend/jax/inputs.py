@@ -36,7 +36,6 @@ def tower_batches(x, y=None, sample_weight=None, batch_size=None, shuffle=False)
     """What fit, evaluate or predict received, chosen and placed as per-tower batches.
 
     Examples:
-        >>> import numpy as np
         >>> from kerastower.backend.jax.inputs import tower_batches
         >>> type(tower_batches(np.ones((4, 2)), batch_size=2)).__name__
         'ArrayBatches'

@@ -6,7 +6,7 @@ the k-th applies the gradient of all k micro-steps' tokens, and the loss
 they log is made the cycle's joined token mean (`cycle_logged`).
 
 Example:
-    >>> import jax.numpy as jnp, keras
+    >>> import jax.numpy as jnp
     >>> from kerastower.backend.jax.optimizer_apply import applied
     >>> weight = keras.Variable(jnp.ones(2))
     >>> optimizer = keras.optimizers.SGD(0.5)

@@ -6,7 +6,7 @@ assembled, without a host-side join, into one array sharded over the towers;
 across processes ("multihost"), each process places its own towers' batches.
 
 Examples:
-    >>> import jax, numpy as np
+    >>> import jax
     >>> from kerastower.engine.jax_placement import tower_mesh, place_tower_batches
     >>> mesh = tower_mesh(jax.devices()[:1])
     >>> (x,) = place_tower_batches(mesh, [(np.ones((4, 3)),)])

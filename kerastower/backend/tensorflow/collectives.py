@@ -6,7 +6,6 @@ each other notes itself here while a step function is traced, once per step
 then says what one training step and one read of the logs launch:
 
 Examples:
-    >>> import keras, numpy as np, kerastower as kt
     >>> inputs = keras.Input((3,))
     >>> model = kt.TowerModel(inputs, keras.layers.Dense(1)(inputs))
     >>> model.compile(optimizer="sgd", loss="mse")
@@ -97,7 +96,6 @@ def collectives_per_step(model, mode="train"):
         mode: "train", "test" or "predict".
 
     Examples:
-        >>> import keras, numpy as np, kerastower as kt
         >>> with kt.distributed("single"):
         ...     inputs = keras.Input((3,))
         ...     model = kt.TowerModel(inputs, keras.layers.Dense(1)(inputs))

@@ -54,7 +54,6 @@ def as_input_source(x, y=None, sample_weight=None, batch_size=None, shuffle=Fals
     """What fit, evaluate or predict received, chosen and placed as a `kt.InputSource`.
 
     Examples:
-        >>> import numpy as np
         >>> from kerastower.backend.tensorflow.inputs import as_input_source
         >>> type(as_input_source(np.ones((4, 2)), batch_size=2)).__name__
         'ArrayInput'

@@ -19,7 +19,6 @@ dimension in which the two differ are left open. A later batch that fits
 neither is an InputSourceError naming both shapes.
 
 Examples:
-    >>> import numpy as np, kerastower as kt
     >>> from kerastower.backend.tensorflow.python_input import PythonSourceInput
     >>> from kerastower.backend.tensorflow.inputs import as_input_source
     >>> source = as_input_source(iter([(np.ones((4, 3)), np.zeros(4))] * 2))
