@@ -43,31 +43,39 @@ def two_towers():
         yield strategy
 
 
-# KT_TEST_TIMELINE=<file>: each test's start, end, CPU time and time in
-# Python's garbage collector, one JSON line per test, for finding what
+# KT_TEST_TIMELINE=<file>: each test's start, wall and CPU seconds, its
+# seconds in Python's garbage collector (full collections apart) and the
+# memory blocks alive after it, one JSON line per test: for finding what
 # makes a test slow inside the suite when it is fast alone.
 _TIMELINE = os.environ.get("KT_TEST_TIMELINE")
 if _TIMELINE:
     import gc
     import json
+    import sys
     import time
 
-    _gc_seconds = [0.0, None]
+    _in_gc = {"seconds": 0.0, "full": 0.0, "started": None}
 
     def _gc_timer(phase, info):
         if phase == "start":
-            _gc_seconds[1] = time.perf_counter()
-        elif _gc_seconds[1] is not None:
-            _gc_seconds[0] += time.perf_counter() - _gc_seconds[1]
+            _in_gc["started"] = time.perf_counter()
+        elif _in_gc["started"] is not None:
+            took = time.perf_counter() - _in_gc["started"]
+            _in_gc["seconds"] += took
+            if info["generation"] == 2:
+                _in_gc["full"] += took
 
     gc.callbacks.append(_gc_timer)
 
     @pytest.hookimpl(hookwrapper=True)
     def pytest_runtest_protocol(item, nextitem):
-        start, cpu, in_gc = time.time(), time.process_time(), _gc_seconds[0]
+        start, cpu, before = time.time(), time.process_time(), dict(_in_gc)
         yield
         record = {"test": item.nodeid, "worker": os.environ.get("PYTEST_XDIST_WORKER", "main"),
-                  "start": start, "seconds": time.time() - start,
-                  "cpu": time.process_time() - cpu, "gc": _gc_seconds[0] - in_gc}
+                  "start": round(start, 2), "seconds": round(time.time() - start, 2),
+                  "cpu": round(time.process_time() - cpu, 2),
+                  "gc": round(_in_gc["seconds"] - before["seconds"], 2),
+                  "full_gc": round(_in_gc["full"] - before["full"], 2),
+                  "blocks": sys.getallocatedblocks()}
         with open(_TIMELINE, "a") as f:
             f.write(json.dumps(record) + "\n")
