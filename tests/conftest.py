@@ -8,7 +8,9 @@ share; every process a test starts can import it (and examples/), from
 PYTHONPATH.
 """
 
+import gc
 import os
+import time
 
 from tests.helpers.common import BACKEND  # first: it makes the devices before the backend starts
 from tests.helpers.common import ROOT
@@ -36,6 +38,24 @@ def _seed():
     yield
 
 
+# A tf.data iterator that reached its end waits, when it is freed, for its
+# autotuning thread's next wake-up (TensorFlow 2.21: the longer the
+# iterator lived, the later, up to about a minute), holding Python's GIL.
+# Iterators kept in reference cycles (a model and its traced functions)
+# were freed by some later test's collection, minutes old: 23 tests waited
+# 930 s in all, once 465 s in one collection (docs/performance.md). A
+# collection after every test that ran something frees them young.
+_COLLECT_AFTER_SECONDS = 0.5
+
+
+@pytest.fixture(autouse=True)
+def _free_iterators_young():
+    start = time.monotonic()
+    yield
+    if time.monotonic() - start >= _COLLECT_AFTER_SECONDS:
+        gc.collect()
+
+
 @pytest.fixture
 def two_towers():
     """2 towers on this backend."""
@@ -49,10 +69,8 @@ def two_towers():
 # makes a test slow inside the suite when it is fast alone.
 _TIMELINE = os.environ.get("KT_TEST_TIMELINE")
 if _TIMELINE:
-    import gc
     import json
     import sys
-    import time
 
     _in_gc = {"seconds": 0.0, "full": 0.0, "started": None}
 
