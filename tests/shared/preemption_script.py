@@ -1,13 +1,14 @@
 """Trains with AutoResume + ModelSaver as a process a test can signal and restart.
 
     python preemption_script.py CKPT_DIR OUT.npz [--towers N] [--batch B]
-        [--epochs E] [--slow S] [--marks DIR] [--signal-during-save] [--dropout]
+        [--epochs E] [--marks DIR] [--pause-at K] [--signal-during-save] [--dropout]
 
 Runs on the backend KERAS_BACKEND names, with N towers (logical CPU devices
 on TensorFlow, forced host devices on JAX) on shuffled numpy arrays, each
-epoch one pass. --slow sleeps S seconds after every step and --marks writes
-a file `step-<global step>` there after every step, so that a test can
-signal the run mid-epoch; --signal-during-save makes the process send
+epoch one pass. --marks writes a file `step-<global step>` there after
+every step, and --pause-at K waits after global step K until a file `go`
+appears there, so that a test can signal (or start another run) at that
+step; --signal-during-save makes the process send
 itself a second SIGTERM while its preemption checkpoint is being written;
 --hang-at K makes the step after global step K hang for 10 minutes inside
 the compiled step (a tf.py_function or a jax.pure_callback that sleeps, so
@@ -35,8 +36,8 @@ ARGS.add_argument("out")
 ARGS.add_argument("--towers", type=int, default=2)
 ARGS.add_argument("--batch", type=int, default=4)
 ARGS.add_argument("--epochs", type=int, default=3)
-ARGS.add_argument("--slow", type=float, default=0.0)
 ARGS.add_argument("--marks")
+ARGS.add_argument("--pause-at", type=int, help="wait after this global step for MARKS/go")
 ARGS.add_argument("--signal-during-save", action="store_true")
 ARGS.add_argument("--dropout", action="store_true")
 ARGS.add_argument("--strict", action="store_true")
@@ -99,7 +100,7 @@ class Hang(keras.layers.Layer):
 
 
 class Marks(keras.callbacks.Callback):
-    """Sleeps after every step and leaves a file saying which step ended."""
+    """Leaves a file saying which step ended; waits at --pause-at for the test."""
 
     def on_train_batch_begin(self, batch, logs=None):
         if OPTIONS.hang_at is not None and self.model.loop.global_step == OPTIONS.hang_at:
@@ -109,7 +110,10 @@ class Marks(keras.callbacks.Callback):
         if OPTIONS.marks:
             step = self.model.loop.global_step
             open(os.path.join(OPTIONS.marks, f"step-{step}"), "w").close()
-        time.sleep(OPTIONS.slow)
+            if step == OPTIONS.pause_at:
+                go, deadline = os.path.join(OPTIONS.marks, "go"), time.time() + 240
+                while not os.path.exists(go) and time.time() < deadline:
+                    time.sleep(0.02)
 
 
 def main():

@@ -1,14 +1,13 @@
 """A preemption signal saves the step training was at; AutoResume goes on from it, bit-equal.
 
 Real processes get real signals (tests/shared/preemption_script.py, on the
-backend this suite runs on); the in-process tests send the signal from a
+backend this suite runs on, each run forked by a zygote that imported the
+backend once: tests/helpers/zygote.py); the in-process tests send the signal from a
 callback, in pytest's main thread.
 """
 
 import os
 import signal
-import subprocess
-import sys
 import time
 
 import keras
@@ -16,43 +15,68 @@ import numpy as np
 import pytest
 
 from tests.helpers.common import BACKEND
+from tests.helpers.zygote import Zygote
 
 import kerastower as kt
 
-# Its module-scoped fixture starts processes once: one pytest-xdist worker runs the module.
+# Its module-scoped fixtures (a zygote, runs other tests compare with) start
+# once: one pytest-xdist worker runs the module.
 pytestmark = pytest.mark.xdist_group("test_preemption")
 
 SCRIPT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "preemption_script.py")
 
 
-def _environment():
-    return dict(os.environ, KERAS_BACKEND=BACKEND)
+@pytest.fixture(scope="module")
+def script(tmp_path_factory):
+    """preemption_script.py, each run a process that a zygote forks (no import to pay)."""
+    zygote = Zygote(tmp_path_factory.mktemp("zygote"), env=dict(os.environ, KERAS_BACKEND=BACKEND))
+    yield Script(zygote)
+    zygote.close()
 
 
-def run_script(ckpt, out, *flags):
-    """Runs the script to its end; returns the finished process."""
-    done = subprocess.run([sys.executable, SCRIPT, str(ckpt), str(out), *flags],
-                          capture_output=True, text=True, timeout=300, env=_environment())
-    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
-    return done
+class Script:
+    """Runs preemption_script.py: to its end (`run`) or paused at a step (`start`)."""
+
+    def __init__(self, zygote):
+        self.zygote = zygote
+
+    def run(self, ckpt, out, *flags, ok=True):
+        """Runs the script to its end; returns the finished run (`.stdout`, `.stderr`)."""
+        done = self.zygote.run(SCRIPT, [ckpt, out, *flags], timeout=300,
+                               output=f"{out}.stdout", errors=f"{out}.stderr")
+        assert (done.returncode == 0) == ok, done.stdout[-2000:] + done.stderr[-3000:]
+        return done
+
+    def start(self, tmp_path, ckpt, name, *flags, pause_at=None):
+        """Starts the script writing marks (and waiting after step `pause_at`
+        until `go`); returns (the run, its marks folder)."""
+        marks = tmp_path / f"marks-{name}"
+        marks.mkdir()
+        pause = [] if pause_at is None else ["--pause-at", pause_at]
+        run = self.zygote.start(SCRIPT, [ckpt, tmp_path / f"{name}.npz", "--marks", marks, *pause,
+                                         *flags], output=tmp_path / f"{name}.log")
+        return run, marks
 
 
-def signal_at_step(tmp_path, ckpt, step, *flags, signum=signal.SIGTERM, slow=0.4):
-    """Starts the script slowed down (`slow` seconds a step), sends `signum`
-    once step `step` has ended; returns (exit status, stdout)."""
-    marks = tmp_path / f"marks-{ckpt.name}"
-    marks.mkdir()
-    process = subprocess.Popen(
-        [sys.executable, SCRIPT, str(ckpt), str(tmp_path / "unused.npz"), "--slow", str(slow),
-         "--marks", str(marks), *flags],
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=_environment())
+def wait_for(run, marks, mark):
     deadline = time.time() + 240
-    while not (marks / f"step-{step}").exists():
-        assert process.poll() is None and time.time() < deadline, process.communicate()[0][-3000:]
+    while not (marks / mark).exists():
+        assert run.poll() is None and time.time() < deadline, run.stdout[-3000:]
         time.sleep(0.05)
-    process.send_signal(signum)
-    output, _ = process.communicate(timeout=120)
-    return process.returncode, output
+
+
+def go_on(marks):
+    (marks / "go").touch()
+
+
+def signal_at_step(script, tmp_path, ckpt, step, *flags, signum=signal.SIGTERM):
+    """Starts the script, sends `signum` once step `step` has ended (the
+    run waits there), and lets it go on; returns (exit status, output)."""
+    run, marks = script.start(tmp_path, ckpt, ckpt.name, *flags, pause_at=step)
+    wait_for(run, marks, f"step-{step}")
+    run.send_signal(signum)
+    go_on(marks)
+    return run.wait(timeout=120), run.stdout
 
 
 def assert_bit_equal(a_path, b_path, steps):
@@ -63,69 +87,63 @@ def assert_bit_equal(a_path, b_path, steps):
 
 
 @pytest.fixture(scope="module")
-def uninterrupted(tmp_path_factory):
+def uninterrupted(tmp_path_factory, script):
     """The weights of the run never interrupted (3 epochs of 12 steps)."""
     folder = tmp_path_factory.mktemp("uninterrupted")
-    run_script(folder / "ckpt", folder / "a.npz", "--dropout")
+    script.run(folder / "ckpt", folder / "a.npz", "--dropout")
     return folder / "a.npz"
 
 
-def test_sigterm_mid_epoch_saves_that_step_exits_75_and_resume_is_bit_equal(tmp_path, uninterrupted):
+def test_sigterm_mid_epoch_saves_that_step_exits_75_and_resume_is_bit_equal(tmp_path, script,
+                                                                             uninterrupted):
     ckpt = tmp_path / "ckpt"
-    status, output = signal_at_step(tmp_path, ckpt, 5, "--dropout")
+    status, output = signal_at_step(script, tmp_path, ckpt, 5, "--dropout")
     assert status == 75, output[-3000:]
     assert "got SIGTERM; stopped after global step" in output, output[-3000:]
     saved = kt.checkpoint.latest_checkpoint(str(ckpt))
     step = kt.checkpoint.verify_checkpoint(saved)["global_step"]
     assert 5 <= step < 12  # mid-epoch: no epoch-end save has been written yet
     assert f"saved {saved}" in output
-    resumed = run_script(ckpt, tmp_path / "b.npz", "--dropout")
+    resumed = script.run(ckpt, tmp_path / "b.npz", "--dropout")
     assert f"ckpt-{step:08d}" in resumed.stdout
     assert_bit_equal(uninterrupted, tmp_path / "b.npz", 36)
 
 
-def test_a_second_signal_during_the_save_is_ignored_and_the_checkpoint_is_intact(tmp_path, uninterrupted):
+def test_a_second_signal_during_the_save_is_ignored_and_the_checkpoint_is_intact(tmp_path, script,
+                                                                                 uninterrupted):
     ckpt = tmp_path / "ckpt"
-    status, output = signal_at_step(tmp_path, ckpt, 3, "--dropout", "--signal-during-save")
+    status, output = signal_at_step(script, tmp_path, ckpt, 3, "--dropout", "--signal-during-save")
     assert status == 75, output[-3000:]
     assert "1 more signal(s) during the save were ignored" in output, output[-3000:]
     kt.checkpoint.verify_checkpoint(kt.checkpoint.latest_checkpoint(str(ckpt)))
-    run_script(ckpt, tmp_path / "b.npz", "--dropout")
+    script.run(ckpt, tmp_path / "b.npz", "--dropout")
     assert_bit_equal(uninterrupted, tmp_path / "b.npz", 36)
 
 
-def _start_hung(tmp_path, ckpt, grace):
+def _start_hung(script, tmp_path, ckpt, grace):
     """Starts the script (a checkpoint every 2 steps) whose step after global
-    step 5 hangs inside the compiled step; returns (process, marks) once it hangs."""
-    marks = tmp_path / "marks"
-    marks.mkdir()
-    process = subprocess.Popen(
-        [sys.executable, SCRIPT, str(ckpt), str(tmp_path / "unused.npz"), "--marks", str(marks),
-         "--save-every", "2", "--hang-at", "5", "--grace", str(grace)],
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=_environment())
-    deadline = time.time() + 240
-    while not (marks / "hanging").exists():
-        assert process.poll() is None and time.time() < deadline, process.communicate()[0][-3000:]
-        time.sleep(0.05)
+    step 5 hangs inside the compiled step; returns the run once it hangs."""
+    run, marks = script.start(tmp_path, ckpt, "hung", "--save-every", "2", "--hang-at", "5",
+                              "--grace", grace)
+    wait_for(run, marks, "hanging")
     # JAX dispatches a step ahead: the loop may finish one more before it waits.
     seen, still = set(os.listdir(marks)), time.time()
     while time.time() - still < 1.0:
         time.sleep(0.1)
         if set(os.listdir(marks)) != seen:
             seen, still = set(os.listdir(marks)), time.time()
-    return process
+    return run
 
 
-def _ended(process, within):
-    """(status, output, seconds) of a process that must end within `within` s."""
+def _ended(run, within):
+    """(status, output, seconds) of a run that must end within `within` s."""
     start = time.time()
     try:
-        output, _ = process.communicate(timeout=within)
-    except subprocess.TimeoutExpired:
-        process.kill()
-        output, _ = process.communicate()
-        raise AssertionError(f"still running {within} s later:\n{output[-3000:]}") from None
-    return process.returncode, output, time.time() - start
+        status = run.wait(timeout=within)
+    except TimeoutError:
+        run.kill()
+        raise AssertionError(f"still running {within} s later:\n{run.stdout[-3000:]}") from None
+    return status, run.stdout, time.time() - start
 
 
 def _assert_ended_on_the_last_checkpoint(ckpt, status, output):
@@ -148,27 +166,27 @@ def _assert_ended_on_the_last_checkpoint(ckpt, status, output):
     assert not (ckpt / ".kerastower.lock").exists()  # given back before the exit
 
 
-def test_a_hung_step_ends_the_process_after_the_grace_period_with_75(tmp_path):
+def test_a_hung_step_ends_the_process_after_the_grace_period_with_75(tmp_path, script):
     """The step after global step 5 never ends (it waits in C++ code):
     2 s (step_grace_s) after SIGTERM the process ends with status 75 and a
     message; the checkpoint of step 4 is the newest and verifies."""
     ckpt = tmp_path / "ckpt"
-    process = _start_hung(tmp_path, ckpt, grace=2)
-    process.send_signal(signal.SIGTERM)
-    status, output, seconds = _ended(process, within=30)
+    run = _start_hung(script, tmp_path, ckpt, grace=2)
+    run.send_signal(signal.SIGTERM)
+    status, output, seconds = _ended(run, within=30)
     assert 1.5 < seconds < 10, (seconds, output[-3000:])
     assert "got SIGTERM and the running step has not ended 2 s later (AutoResume's " \
            "step_grace_s=2)" in output, output[-3000:]
     _assert_ended_on_the_last_checkpoint(ckpt, status, output)
 
 
-def test_a_second_sigterm_during_a_hung_step_ends_the_process_at_once(tmp_path):
+def test_a_second_sigterm_during_a_hung_step_ends_the_process_at_once(tmp_path, script):
     ckpt = tmp_path / "ckpt"
-    process = _start_hung(tmp_path, ckpt, grace=120)
-    process.send_signal(signal.SIGTERM)
+    run = _start_hung(script, tmp_path, ckpt, grace=120)
+    run.send_signal(signal.SIGTERM)
     time.sleep(1.5)
-    process.send_signal(signal.SIGTERM)
-    status, output, seconds = _ended(process, within=30)
+    run.send_signal(signal.SIGTERM)
+    status, output, seconds = _ended(run, within=30)
     assert seconds < 5, (seconds, output[-3000:])
     assert "got SIGTERM, then SIGTERM 1." in output, output[-3000:]
     assert "s later while the step was still running, so training was interrupted" in output
@@ -176,10 +194,10 @@ def test_a_second_sigterm_during_a_hung_step_ends_the_process_at_once(tmp_path):
 
 
 @pytest.fixture(scope="module")
-def uninterrupted_stateful(tmp_path_factory):
+def uninterrupted_stateful(tmp_path_factory, script):
     """The run never interrupted, validated with EarlyStopping, ReduceLROnPlateau, ModelCheckpoint."""
     folder = tmp_path_factory.mktemp("uninterrupted-stateful")
-    run_script(folder / "ckpt", folder / "a.npz", "--stateful", "--epochs", "12")
+    script.run(folder / "ckpt", folder / "a.npz", "--stateful", "--epochs", "12")
     done = np.load(folder / "a.npz")
     # The premise: EarlyStopping waits after its best epoch, and stops early.
     assert 0 < int(done["best_epoch"]) < int(done["stopped_epoch"]) < 11, dict(done)
@@ -187,7 +205,8 @@ def uninterrupted_stateful(tmp_path_factory):
 
 
 @pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGKILL], ids=["SIGTERM", "SIGKILL"])
-def test_stateful_callbacks_resume_where_they_were_bit_equal(tmp_path, uninterrupted_stateful, signum):
+def test_stateful_callbacks_resume_where_they_were_bit_equal(tmp_path, script, uninterrupted_stateful,
+                                                            signum):
     """Stopped mid-epoch after the best epoch, while EarlyStopping waits (a
     SIGTERM saves that step; a SIGKILL leaves the last epoch's checkpoint),
     the resumed run stops at the same epoch with the same best weights,
@@ -195,10 +214,10 @@ def test_stateful_callbacks_resume_where_they_were_bit_equal(tmp_path, uninterru
     done = np.load(uninterrupted_stateful)
     steps = int(done["step"])
     ckpt = tmp_path / "ckpt"
-    status, output = signal_at_step(tmp_path, ckpt, (int(done["best_epoch"]) + 1) * 12 + 5,
-                                    "--stateful", "--epochs", "12", signum=signum, slow=0.2)
+    status, output = signal_at_step(script, tmp_path, ckpt, (int(done["best_epoch"]) + 1) * 12 + 5,
+                                    "--stateful", "--epochs", "12", signum=signum)
     assert status == (75 if signum == signal.SIGTERM else -signal.SIGKILL), output[-3000:]
-    run_script(ckpt, tmp_path / "b.npz", "--stateful", "--epochs", "12")
+    script.run(ckpt, tmp_path / "b.npz", "--stateful", "--epochs", "12")
     assert_bit_equal(uninterrupted_stateful, tmp_path / "b.npz", steps)
 
 
@@ -317,71 +336,51 @@ def test_a_trainer_is_preempted_too(tmp_path):
     assert raised.value.global_step == 5
 
 
-def _start_slow(tmp_path, ckpt, name, *flags):
-    marks = tmp_path / f"marks-{name}"
-    marks.mkdir()
-    process = subprocess.Popen(
-        [sys.executable, SCRIPT, str(ckpt), str(tmp_path / f"{name}.npz"), "--slow", "0.4",
-         "--marks", str(marks), *flags],
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=_environment())
-    return process, marks
-
-
-def _wait_for(process, marks, step):
-    deadline = time.time() + 240
-    while not (marks / f"step-{step}").exists():
-        assert process.poll() is None and time.time() < deadline, process.communicate()[0][-3000:]
-        time.sleep(0.05)
-
-
-def test_a_second_run_on_a_held_folder_refuses_and_the_first_finishes_bit_equal(tmp_path, uninterrupted):
+def test_a_second_run_on_a_held_folder_refuses_and_the_first_finishes_bit_equal(tmp_path, script,
+                                                                                 uninterrupted):
     ckpt = tmp_path / "ckpt"
-    first, marks = _start_slow(tmp_path, ckpt, "first", "--dropout")
-    _wait_for(first, marks, 2)
-    second = subprocess.run([sys.executable, SCRIPT, str(ckpt), str(tmp_path / "second.npz"),
-                             "--dropout"], capture_output=True, text=True, timeout=300,
-                            env=_environment())
-    assert second.returncode != 0
+    first, marks = script.start(tmp_path, ckpt, "first", "--dropout", pause_at=2)
+    wait_for(first, marks, "step-2")
+    second = script.run(ckpt, tmp_path / "second.npz", "--dropout", ok=False)
     assert "FolderLockedError" in second.stderr, second.stderr[-3000:]
     assert f"in use by another run: process {first.pid} on host" in second.stderr
     assert not (tmp_path / "second.npz").exists()
-    output, _ = first.communicate(timeout=300)
-    assert first.returncode == 0, output[-3000:]
+    go_on(marks)
+    assert first.wait(timeout=300) == 0, first.stdout[-3000:]
     assert_bit_equal(uninterrupted, tmp_path / "first.npz", 36)
     assert not (ckpt / ".kerastower.lock").exists()  # released at the end
 
 
-def test_the_lock_of_a_sigkilled_run_is_taken_over_and_resume_is_bit_equal(tmp_path, uninterrupted):
+def test_the_lock_of_a_sigkilled_run_is_taken_over_and_resume_is_bit_equal(tmp_path, script,
+                                                                           uninterrupted):
     ckpt = tmp_path / "ckpt"
-    killed, marks = _start_slow(tmp_path, ckpt, "killed", "--dropout", "--save-every", "2")
-    _wait_for(killed, marks, 7)
+    killed, marks = script.start(tmp_path, ckpt, "killed", "--dropout", "--save-every", "2",
+                                 pause_at=7)
+    wait_for(killed, marks, "step-7")
     killed.kill()
-    killed.communicate()
+    assert killed.wait(timeout=60) == -signal.SIGKILL
     assert (ckpt / ".kerastower.lock").exists()
-    resumed = run_script(ckpt, tmp_path / "b.npz", "--dropout")
+    resumed = script.run(ckpt, tmp_path / "b.npz", "--dropout")
     assert f"process {killed.pid} on host" in resumed.stderr and "no longer runs" in resumed.stderr
     assert_bit_equal(uninterrupted, tmp_path / "b.npz", 36)
 
 
 @pytest.fixture(scope="module")
-def elastic(tmp_path_factory):
+def elastic(tmp_path_factory, script):
     """A deterministic model's uninterrupted run on 2 towers x 4, and a
     checkpoint of the same run preempted after step 5 (40 examples in)."""
     folder = tmp_path_factory.mktemp("elastic")
-    run_script(folder / "straight", folder / "a.npz")
-    status, output = signal_at_step(folder, folder / "ckpt", 5)
+    script.run(folder / "straight", folder / "a.npz")
+    status, output = signal_at_step(script, folder, folder / "ckpt", 5)
     assert status == 75, output[-3000:]
     return folder
 
 
-def _resume_copy(elastic, tmp_path, *flags, ok=True):
+def _resume_copy(script, elastic, tmp_path, *flags, ok=True):
     import shutil
 
     shutil.copytree(elastic / "ckpt", tmp_path / "ckpt")
-    done = subprocess.run([sys.executable, SCRIPT, str(tmp_path / "ckpt"), str(tmp_path / "b.npz"),
-                           *flags], capture_output=True, text=True, timeout=300, env=_environment())
-    assert (done.returncode == 0) == ok, done.stdout[-3000:] + done.stderr[-3000:]
-    return done
+    return script.run(tmp_path / "ckpt", tmp_path / "b.npz", *flags, ok=ok)
 
 
 def _assert_close(a_path, b_path, steps):
@@ -392,8 +391,9 @@ def _assert_close(a_path, b_path, steps):
 
 
 @pytest.mark.parametrize("towers,batch", [(1, 8), (4, 2)])
-def test_two_towers_resume_on_another_number_at_the_same_total_batch(elastic, tmp_path, towers, batch):
-    done = _resume_copy(elastic, tmp_path, "--towers", str(towers), "--batch", str(batch))
+def test_two_towers_resume_on_another_number_at_the_same_total_batch(script, elastic, tmp_path, towers,
+                                                                    batch):
+    done = _resume_copy(script, elastic, tmp_path, "--towers", str(towers), "--batch", str(batch))
     step = kt.checkpoint.verify_checkpoint(kt.checkpoint.latest_checkpoint(str(elastic / "ckpt")))
     assert step["global_step"] == 5
     assert (f"The checkpoint was written by 2 tower(s) x 4 = total batch 8; this run has "
@@ -402,8 +402,8 @@ def test_two_towers_resume_on_another_number_at_the_same_total_batch(elastic, tm
     _assert_close(elastic / "a.npz", tmp_path / "b.npz", 36)
 
 
-def test_another_total_batch_resumes_saying_so_and_strict_refuses(elastic, tmp_path):
-    done = _resume_copy(elastic, tmp_path, "--towers", "1", "--batch", "12")
+def test_another_total_batch_resumes_saying_so_and_strict_refuses(script, elastic, tmp_path):
+    done = _resume_copy(script, elastic, tmp_path, "--towers", "1", "--batch", "12")
     # 40 examples are 3 steps of 12 and 4 examples: those 4 are read again.
     assert ("this run has 1 tower(s) x 12 = total batch 12: another total batch (weights, "
             "optimizer state and step are restored") in done.stdout, done.stdout[-3000:]
@@ -411,23 +411,24 @@ def test_another_total_batch_resumes_saying_so_and_strict_refuses(elastic, tmp_p
     assert "going on at epoch 1, step 3." in done.stdout
     b = np.load(tmp_path / "b.npz")
     assert int(b["step"]) == 5 + (8 - 3) + 8 + 8  # the rest of pass 1, then 2 passes of 8 steps
-    refused = _resume_copy(elastic, tmp_path / "strict", "--towers", "1", "--batch", "12",
+    refused = _resume_copy(script, elastic, tmp_path / "strict", "--towers", "1", "--batch", "12",
                            "--strict", ok=False)
     assert "AutoResume(strict=True) refuses to resume" in refused.stderr
     assert "the total batch differs" in refused.stderr
 
 
-def test_backup_and_restore_beside_auto_resume_after_a_sigkill_is_bit_equal(tmp_path):
+def test_backup_and_restore_beside_auto_resume_after_a_sigkill_is_bit_equal(tmp_path, script):
     """Keras's BackupAndRestore would load its epoch-end backup over
     AutoResume's step-exact checkpoint (the input going on at the step):
     the step-exact restore wins, BackupAndRestore is told, and the run ends
     bit-equal to an uninterrupted one with the same callbacks."""
-    run_script(tmp_path / "straight", tmp_path / "a.npz", "--dropout", "--backup")
+    script.run(tmp_path / "straight", tmp_path / "a.npz", "--dropout", "--backup")
     ckpt = tmp_path / "ckpt"
-    killed, marks = _start_slow(tmp_path, ckpt, "killed", "--dropout", "--backup", "--save-every", "2")
-    _wait_for(killed, marks, 15)  # epoch 2, step 3: an epoch-end backup and ckpt-14 exist
+    killed, marks = script.start(tmp_path, ckpt, "killed", "--dropout", "--backup", "--save-every",
+                                 "2", pause_at=15)
+    wait_for(killed, marks, "step-15")  # epoch 2, step 3: an epoch-end backup and ckpt-14 exist
     killed.kill()
-    killed.communicate()
-    resumed = run_script(ckpt, tmp_path / "b.npz", "--dropout", "--backup")
+    assert killed.wait(timeout=60) == -signal.SIGKILL
+    resumed = script.run(ckpt, tmp_path / "b.npz", "--dropout", "--backup")
     assert "BackupAndRestore does not load its backup over it" in resumed.stdout, resumed.stdout[-3000:]
     assert_bit_equal(tmp_path / "a.npz", tmp_path / "b.npz", 36)
