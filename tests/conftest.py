@@ -60,6 +60,18 @@ def _free_iterators_young():
         gc.freeze()
 
 
+@pytest.fixture(scope="session")
+def zygote(tmp_path_factory):
+    """A process that imported this backend once and forks each run of a
+    test's script (tests/helpers/zygote.py): one per pytest-xdist worker,
+    started when a test first asks for it."""
+    from tests.helpers.zygote import Zygote
+
+    started = Zygote(tmp_path_factory.mktemp("zygote"), env=dict(os.environ, KERAS_BACKEND=BACKEND))
+    yield started
+    started.close()
+
+
 @pytest.fixture
 def two_towers():
     """2 towers on this backend."""

@@ -29,6 +29,15 @@ if BACKEND == "tensorflow":
             _cpus[0], [tf.config.LogicalDeviceConfiguration() for _ in range(4)])
 
 
+def free_port():
+    """A TCP port on localhost that nothing listens on now."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("localhost", 0))
+        return s.getsockname()[1]
+
+
 def tower_devices(n):
     """The devices of `n` towers on this backend: logical CPUs on
     TensorFlow, JAX's first `n` devices on JAX."""

@@ -15,23 +15,20 @@ import numpy as np
 import pytest
 
 from tests.helpers.common import BACKEND
-from tests.helpers.zygote import Zygote
 
 import kerastower as kt
 
-# Its module-scoped fixtures (a zygote, runs other tests compare with) start
-# once: one pytest-xdist worker runs the module.
+# Its module-scoped fixtures (runs other tests compare with) start once: one
+# pytest-xdist worker runs the module.
 pytestmark = pytest.mark.xdist_group("test_preemption")
 
 SCRIPT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "preemption_script.py")
 
 
 @pytest.fixture(scope="module")
-def script(tmp_path_factory):
-    """preemption_script.py, each run a process that a zygote forks (no import to pay)."""
-    zygote = Zygote(tmp_path_factory.mktemp("zygote"), env=dict(os.environ, KERAS_BACKEND=BACKEND))
-    yield Script(zygote)
-    zygote.close()
+def script(zygote):
+    """preemption_script.py, each run a process that the zygote forks (no import to pay)."""
+    return Script(zygote)
 
 
 class Script:

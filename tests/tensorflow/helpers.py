@@ -12,6 +12,38 @@ from tests.helpers.common import mlp as _shared_mlp
 TWO = ["/cpu:0", "/cpu:1"]
 
 
+def launch_workers(zygote, script, out, *args, workers=2):
+    """Starts `script OUT ARGS` as the workers of a MultiWorkerMirroredStrategy
+    cluster on loopback (TF_CONFIG set for each), forked by the zygote;
+    returns the runs, worker 0 first."""
+    import json
+
+    from tests.helpers.common import free_port
+
+    addresses = [f"localhost:{free_port()}" for _ in range(workers)]
+    return [zygote.start(script, [out, *args], output=f"{out}/worker{index}-{'-'.join(args)}.log",
+                         env={"TF_CONFIG": json.dumps({"cluster": {"worker": addresses},
+                                                       "task": {"type": "worker", "index": index}})})
+            for index in range(workers)]
+
+
+def worker_outputs(runs, timeout=300):
+    """Each worker's output once all have ended. A worker still running
+    after `timeout` seconds fails the test with every worker's output
+    (which worker waited where), after killing them all."""
+    import pytest
+
+    try:
+        for run in runs:
+            run.wait(timeout)
+    except TimeoutError:
+        for run in runs:
+            run.kill()
+        pytest.fail(f"a worker was still running after {timeout} s; their outputs:\n"
+                    + "\n".join(f"--- worker {i} ---\n{run.stdout[-3000:]}" for i, run in enumerate(runs)))
+    return [run.stdout for run in runs]
+
+
 class Recorder(keras.layers.Layer):
     """Identity layer that records, per tower, the example ids it was fed.
 

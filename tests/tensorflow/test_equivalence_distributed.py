@@ -5,7 +5,6 @@ batches, validation included, and both processes end identical."""
 import json
 import os
 import shutil
-import socket
 import subprocess
 import sys
 
@@ -18,6 +17,8 @@ from tests.helpers.equivalence_cases import DISTRIBUTED_SUBSET as SUBSET
 from tests.helpers.equivalence_cases import fit_case
 from tests.helpers.equivalence_cases import initial_weights
 from tests.helpers.equivalence_cases import one_device_reference
+from tests.tensorflow.helpers import launch_workers
+from tests.tensorflow.helpers import worker_outputs
 
 # Its module-scoped fixture starts processes once: one pytest-xdist worker runs the module.
 pytestmark = pytest.mark.xdist_group("test_equivalence_distributed")
@@ -25,35 +26,26 @@ pytestmark = pytest.mark.xdist_group("test_equivalence_distributed")
 SCRIPT = os.path.join(os.path.dirname(__file__), "distributed_equivalence_script.py")
 
 
-def _free_port():
-    with socket.socket() as s:
-        s.bind(("localhost", 0))
-        return s.getsockname()[1]
-
-
-def _horovod(out):
-    return [subprocess.Popen(
+def _horovod(out, zygote):
+    """horovodrun's 2 ranks: (exit status, output) of the launcher."""
+    launcher = subprocess.run(
         ["horovodrun", "-np", "2", "-H", "localhost:2", "--gloo", sys.executable, SCRIPT,
-         str(out), "horovod"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)]
+         str(out), "horovod"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        timeout=400)
+    return [(launcher.returncode, launcher.stdout)]
 
 
-def _multiworker(out):
-    addresses = [f"localhost:{_free_port()}" for _ in range(2)]
-    processes = []
-    for index in range(2):
-        env = dict(os.environ, TF_CONFIG=json.dumps(
-            {"cluster": {"worker": addresses}, "task": {"type": "worker", "index": index}}))
-        processes.append(subprocess.Popen([sys.executable, SCRIPT, str(out), "multiworker"],
-                                          env=env, stdout=subprocess.PIPE,
-                                          stderr=subprocess.STDOUT, text=True))
-    return processes
+def _multiworker(out, zygote):
+    """2 workers the zygote forks: (exit status, output) of each."""
+    runs = launch_workers(zygote, SCRIPT, out, "multiworker")
+    return list(zip((run.wait(timeout=400) for run in runs), worker_outputs(runs, timeout=400)))
 
 
 LAUNCHERS = {"horovod": _horovod, "multiworker": _multiworker}
 
 
 @pytest.fixture(scope="module", params=sorted(LAUNCHERS))
-def run(request, tmp_path_factory):
+def run(request, tmp_path_factory, zygote):
     name = request.param
     if name == "horovod" and shutil.which("horovodrun") is None:
         pytest.skip("Horovod is not installed: run `bash scripts/install-horovod.sh`")
@@ -62,10 +54,8 @@ def run(request, tmp_path_factory):
     for case, _ in SUBSET:
         initial[case] = initial_weights(case)
         np.savez(out / f"initial_{case}.npz", *initial[case])
-    processes = LAUNCHERS[name](out)
-    for process in processes:
-        output = process.communicate(timeout=400)[0]
-        assert process.returncode == 0, output[-4000:]
+    for status, output in LAUNCHERS[name](out, zygote):
+        assert status == 0, output[-4000:]
     results = []
     for index in range(2):
         with open(out / f"results_{index}.json") as f:

@@ -1,15 +1,14 @@
-"""MultiWorkerMirroredStrategy: 2 real worker processes on loopback."""
+"""MultiWorkerMirroredStrategy: 2 real worker processes on loopback (forked by the zygote)."""
 
 import json
 import os
-import socket
-import subprocess
-import sys
 
 import numpy as np
 import pytest
 
 import kerastower as kt
+from tests.tensorflow.helpers import launch_workers
+from tests.tensorflow.helpers import worker_outputs
 
 # Its module-scoped fixture starts processes once: one pytest-xdist worker runs the module.
 pytestmark = pytest.mark.xdist_group("test_multiworker")
@@ -17,47 +16,13 @@ pytestmark = pytest.mark.xdist_group("test_multiworker")
 SCRIPT = os.path.join(os.path.dirname(__file__), "multiworker_script.py")
 
 
-def _free_port():
-    with socket.socket() as s:
-        s.bind(("localhost", 0))
-        return s.getsockname()[1]
-
-
-def _launch(out, *args):
-    addresses = [f"localhost:{_free_port()}" for _ in range(2)]
-    processes = []
-    for index in range(2):
-        env = dict(os.environ, TF_CONFIG=json.dumps(
-            {"cluster": {"worker": addresses}, "task": {"type": "worker", "index": index}}))
-        processes.append(subprocess.Popen([sys.executable, SCRIPT, str(out), *args], env=env,
-                                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
-    return processes
-
-
-def _outputs(processes, timeout=300):
-    """Each worker's output once all have ended. A worker still running
-    after `timeout` seconds fails the test with every worker's output
-    (which worker waited where), after killing them all."""
-    outputs = []
-    try:
-        for process in processes:
-            outputs.append(process.communicate(timeout=timeout)[0])
-    except subprocess.TimeoutExpired:
-        for process in processes:
-            process.kill()
-        outputs = [process.communicate()[0] for process in processes]
-        pytest.fail(f"a worker was still running after {timeout} s; their outputs:\n"
-                    + "\n".join(f"--- worker {i} ---\n{o[-3000:]}" for i, o in enumerate(outputs)))
-    return outputs
-
-
 @pytest.fixture(scope="module")
-def workers(tmp_path_factory):
+def workers(tmp_path_factory, zygote):
     out = tmp_path_factory.mktemp("multiworker")
-    processes = _launch(out)
-    outputs = _outputs(processes)
-    for process, output in zip(processes, outputs):
-        assert process.returncode == 0, output[-4000:]
+    runs = launch_workers(zygote, SCRIPT, out)
+    outputs = worker_outputs(runs)
+    for run, output in zip(runs, outputs):
+        assert run.returncode == 0, output[-4000:]
     results = []
     for index in range(2):
         with open(out / f"results_worker{index}.json") as f:
@@ -123,12 +88,13 @@ def test_multiworker_without_tf_config_is_a_clear_error(monkeypatch):
         kt.distributed("multiworker").strategy
 
 
-def test_a_worker_that_dies_makes_the_other_fail_fast_and_clearly(tmp_path):
+def test_a_worker_that_dies_makes_the_other_fail_fast_and_clearly(tmp_path, zygote):
     import time
 
     start = time.time()
-    chief, dying = _launch(tmp_path, "die")
-    output = chief.communicate(timeout=120)[0]
+    chief, dying = launch_workers(zygote, SCRIPT, tmp_path, "die")
+    chief.wait(timeout=120)
+    output = chief.stdout
     dying.wait(timeout=30)
     assert dying.returncode == 3
     assert chief.returncode != 0 and time.time() - start < 60
@@ -162,13 +128,13 @@ def test_a_nan_on_one_worker_stops_every_worker_at_that_step(workers):
     shared.assert_a_nan_stopped_every_process(workers[1])
 
 
-def test_sigterm_to_one_worker_stops_both_at_one_step_and_resume_is_bit_equal(tmp_path):
+def test_sigterm_to_one_worker_stops_both_at_one_step_and_resume_is_bit_equal(tmp_path, zygote):
     from tests.tensorflow import horovod_script as script
 
     def launch(phase):
-        processes = _launch(tmp_path, phase)
-        outputs = _outputs(processes)
+        runs = launch_workers(zygote, SCRIPT, tmp_path, phase)
+        outputs = worker_outputs(runs)
         expected = [0, 0] if phase == "resume" else [75, 75]
-        assert [p.returncode for p in processes] == expected, "\n".join(o[-3000:] for o in outputs)
+        assert [run.returncode for run in runs] == expected, "\n".join(o[-3000:] for o in outputs)
 
     script.assert_preempted_then_resumed_bit_equal(tmp_path, launch)
