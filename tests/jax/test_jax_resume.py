@@ -3,8 +3,6 @@ run killed with SIGKILL mid-epoch that a new process ends bit for bit."""
 
 import os
 import signal
-import subprocess
-import sys
 import time
 
 import jax
@@ -162,35 +160,30 @@ def test_checkpoints_see_the_weights_the_towers_hold(tmp_path):
         np.testing.assert_array_equal(a, b)
 
 
-def test_sigkill_mid_epoch_then_resume_is_bit_equal(tmp_path):
+def test_sigkill_mid_epoch_then_resume_is_bit_equal(tmp_path, zygote):
     """A real process killed with SIGKILL mid-epoch, resumed by a new process,
     ends with the weights of an uninterrupted run; neither imports TensorFlow."""
-    env = dict(os.environ, KERAS_BACKEND="jax")
 
-    def run(ckpt, out, *flags):
-        return subprocess.run([sys.executable, SCRIPT, str(ckpt), str(out), *flags],
-                              env=env, capture_output=True, text=True, timeout=300)
+    def run(ckpt, out):
+        done = zygote.run(SCRIPT, [ckpt, out], output=f"{out}.stdout", errors=f"{out}.stderr")
+        assert done.returncode == 0, done.stderr[-3000:]
+        return done
 
     whole = run(tmp_path / "a", tmp_path / "a.npz")
-    assert whole.returncode == 0, whole.stderr[-3000:]
     assert "tensorflow imported: False" in whole.stdout
 
     killed_dir = tmp_path / "b"
-    process = subprocess.Popen(
-        [sys.executable, SCRIPT, str(killed_dir), str(tmp_path / "x.npz"), "--slow"],
-        env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    process = zygote.start(SCRIPT, [killed_dir, tmp_path / "x.npz", "--slow"])
     deadline = time.time() + 240
     while not (killed_dir / "ckpt-00000010").exists():  # epoch 2, step 2 of 8
         assert process.poll() is None, "the run ended before being killed"
         assert time.time() < deadline, "no checkpoint of step 10 in time"
         time.sleep(0.05)
     process.send_signal(signal.SIGKILL)
-    process.wait()
-    assert process.returncode == -signal.SIGKILL
+    assert process.wait(timeout=60) == -signal.SIGKILL
     assert not (tmp_path / "x.npz").exists()
 
     resumed = run(killed_dir, tmp_path / "b.npz")
-    assert resumed.returncode == 0, resumed.stderr[-3000:]
     restored = resumed.stdout.split("resumed from", 1)[1].split()[0]
     step = int(restored.rsplit("ckpt-", 1)[1])
     assert step >= 10 and step % 8 != 0, restored  # mid-epoch

@@ -98,37 +98,32 @@ def test_min_and_max_savers_write_into_the_runs_log_folder(two_towers, tmp_path,
     assert model.loop.global_step == 2 * 4
 
 
-def test_sigkill_mid_epoch_then_resume_is_bit_equal(tmp_path):
+def test_sigkill_mid_epoch_then_resume_is_bit_equal(tmp_path, zygote):
     """A real process killed with SIGKILL in the middle of an epoch, resumed
     by a new process, ends with the weights of an uninterrupted run."""
     import signal
-    import subprocess
-    import sys
     import time
 
     script = os.path.join(os.path.dirname(__file__), "resume_script.py")
 
-    def run(ckpt, out, *flags):
-        return subprocess.run([sys.executable, script, str(ckpt), str(out), *flags],
-                              capture_output=True, text=True, timeout=300)
+    def run(ckpt, out):
+        done = zygote.run(script, [ckpt, out], output=f"{out}.stdout", errors=f"{out}.stderr")
+        assert done.returncode == 0, done.stderr[-2000:]
+        return done
 
-    whole = run(tmp_path / "a", tmp_path / "a.npz")
-    assert whole.returncode == 0, whole.stderr[-2000:]
+    run(tmp_path / "a", tmp_path / "a.npz")
 
     killed_dir = tmp_path / "b"
-    process = subprocess.Popen([sys.executable, script, str(killed_dir), str(tmp_path / "x.npz"), "--slow"],
-                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    process = zygote.start(script, [killed_dir, tmp_path / "x.npz", "--slow"])
     deadline = time.time() + 240
     while not (killed_dir / "ckpt-00000008").exists():  # step 8: epoch 2, step 3 of 5
         assert process.poll() is None and time.time() < deadline, "the run ended before being killed"
         time.sleep(0.05)
     process.send_signal(signal.SIGKILL)
-    process.wait()
-    assert process.returncode == -signal.SIGKILL
+    assert process.wait(timeout=60) == -signal.SIGKILL
     assert not (tmp_path / "x.npz").exists()
 
     resumed = run(killed_dir, tmp_path / "b.npz")
-    assert resumed.returncode == 0, resumed.stderr[-2000:]
     assert "ckpt-00000008" in resumed.stdout  # resumed mid-epoch, at epoch 2 step 3
     a, b = np.load(tmp_path / "a.npz"), np.load(tmp_path / "b.npz")
     assert int(a["step"]) == int(b["step"]) == 20
