@@ -20,11 +20,15 @@ from tests.helpers.equivalence_cases import OPTIMIZERS
 from tests.helpers.equivalence_cases import check_towers_equal_one_device
 
 
-# masked_sequence's data gives 8-row batches equal real-token counts, the
-# condition for a masked loss to be exact (docs/training.md); the 6-row
-# batches of 4 towers do not have it.
-MATRIX = [(case, optimizer, towers) for towers in (2, 4) for case in sorted(CASES)
-          for optimizer in sorted(OPTIMIZERS) if not (towers == 4 and case == "masked_sequence")]
+# On 4 towers every case runs with Adam only: what 4 towers change from 2
+# (the divisor of the gradients' mean, which batch each tower takes) is
+# before the optimizer, which gets the same mean either way, and Adam's
+# update is the one most sensitive to a wrong gradient; the other
+# optimizers run every case on 2 towers. masked_sequence's data gives
+# 8-row batches equal real-token counts, the condition for a masked loss to
+# be exact (docs/training.md); the 6-row batches of 4 towers do not have it.
+MATRIX = ([(case, optimizer, 2) for case in sorted(CASES) for optimizer in sorted(OPTIMIZERS)]
+          + [(case, "adam", 4) for case in sorted(CASES) if case != "masked_sequence"])
 
 
 @pytest.mark.parametrize("case,optimizer_name,towers", MATRIX)

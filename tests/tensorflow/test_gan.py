@@ -50,7 +50,9 @@ def test_two_towers_equal_one_tower_on_the_joined_batches():
         np.testing.assert_allclose(two_logs[key], one_logs[key], atol=1e-5)
 
 
-@pytest.mark.parametrize("towers", [1, 2])
+# On 1 tower; test_gan_digits_example_runs trains the example on 2 towers
+# and checks that it learns the digits there.
+@pytest.mark.parametrize("towers", [1])
 def test_gan_learns_the_digits(towers):
     images, labels = gan_digits.load_images()
     real = tf.data.Dataset.from_tensor_slices(images).shuffle(len(images), seed=0)
