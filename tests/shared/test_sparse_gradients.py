@@ -79,7 +79,8 @@ def test_a_position_embedding_trains_on_n_towers_as_on_one_device(optimizer):
     want = one.fit(x, y, batch_size=16, epochs=2, shuffle=False, verbose=0).history
     moved = max(float(np.abs(a - b).max()) for a, b in zip(one.get_weights(), start))
     assert moved > 1e-2
-    for towers in (2, 4):
+    # 4 towers with Adam only: the optimizers get the same gradients either way.
+    for towers in (2, 4) if optimizer == "adam" else (2,):
         many = _model(towers, OPTIMIZERS[optimizer])
         got = many.fit(x, y, batch_size=16 // towers, epochs=2, shuffle=False, verbose=0).history
         for a, b, w in zip(one.get_weights(), many.get_weights(), one.weights):
