@@ -3,7 +3,6 @@ devices each, gloo collectives on loopback) equal one device on the joined batch
 
 import os
 import shutil
-import socket
 import subprocess
 import sys
 
@@ -16,20 +15,15 @@ import kerastower as kt
 
 HERE = os.path.dirname(__file__)
 
+from tests.helpers.common import free_port
 from tests.jax import multihost_script
 
 # Its module-scoped fixture starts processes once: one pytest-xdist worker runs the module.
 pytestmark = pytest.mark.xdist_group("test_jax_multihost")
 
 
-def _free_port():
-    with socket.socket() as s:
-        s.bind(("localhost", 0))
-        return s.getsockname()[1]
-
-
 def _run_two_processes(tmp_path, *flags, timeout=300, status=0):
-    port = _free_port()
+    port = free_port()
     ckpt_dir = tmp_path / "ckpt"
     procs, outs = [], []
     for process in range(2):
