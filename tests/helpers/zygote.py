@@ -7,7 +7,7 @@ real signals, its own exit status, and a fresh backend, because nothing
 of TensorFlow's or JAX's runtime exists in the zygote before the fork,
 only imported modules (a run that sets up its devices would fail if one did).
 
-    zygote = Zygote(env=dict(os.environ, KERAS_BACKEND="tensorflow"))
+    zygote = Zygote("zygote-folder", env=dict(os.environ, KERAS_BACKEND="tensorflow"))
     run = zygote.start("script.py", ["--flag"], output="out.txt")
     run.send_signal(signal.SIGTERM)
     status = run.wait(timeout=60)
