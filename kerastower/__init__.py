@@ -43,6 +43,7 @@ from kerastower.tower import get_current_tower_context
 from kerastower.loss_divisors import global_sum
 from kerastower.loss_divisors import loss_divisor
 from kerastower.inputs.chooser import register_input_kind
+from kerastower.callbacks.monitors import optimizer_state_bytes
 
 from kerastower.model import TowerModel
 from kerastower.sequential import TowerSequential
@@ -116,6 +117,7 @@ __all__ = [
     "minimize",
     "MonitorWriteWarning",
     "NonFiniteError",
+    "optimizer_state_bytes",
     "PeerFailureError",
     "Preempted",
     "register_input_kind",

@@ -267,6 +267,12 @@ def seed_generators(layer):
     return list(getattr(layer, "_seed_generators", None) or [])
 
 
+def uses_weight_decay(optimizer, variable):
+    """Whether `optimizer` decays `variable` (its `exclude_from_weight_decay`
+    settings, by the variable's identity or name)."""
+    return bool(_method(optimizer, "_use_weight_decay")(variable))
+
+
 def optimizer_variables(optimizer):
     """The variables a built optimizer updates, in the order it was built on."""
     if not hasattr(optimizer, "_trainable_variables"):

@@ -33,7 +33,8 @@ from kerastower._compat.required import _missing
 from kerastower._compat.required import require
 
 __all__ = ["require_function", "stored_values", "jaxpr_as_fun", "jaxpr_with_outputs", "run_equations", "is_jaxpr_literal", "synchronized_moments_routed", "synchronized_batchnorm_admitted",
-           "rnn_initial_states_typed", "current_stateless_scope", "inheriting_stateless_scope", "compile_metrics_parts"]
+           "rnn_initial_states_typed", "current_stateless_scope", "inheriting_stateless_scope", "compile_metrics_parts",
+           "gathered_over"]
 
 _MOMENTS = ("keras.src.backend.jax.nn", "moments")
 _STATELESS_SCOPE = ("keras.src.backend.common.stateless_scope", "get_stateless_scope")
@@ -227,3 +228,19 @@ def stored_values(variables):
         return [v._value for v in variables]
     except AttributeError as error:
         raise _missing("keras.Variable._value (the array a variable stores)", error) from None
+
+
+def gathered_over(value, axis_name):
+    """Inside `shard_map`, every tower's `value` joined along axis 0, in
+    tower order, typed as the same on every tower (JAX's `all_gather` with
+    `to="invarying"`): what the towers' shards of a weight become
+    (backend/jax/optimizer_shards.py). Checked when first called."""
+    import jax
+
+    _parameter(jax.lax.all_gather, "to", "jax.lax.all_gather")
+    try:
+        return jax.lax.all_gather(value, axis_name, tiled=True, to="invarying")
+    except ValueError as error:
+        if "to" not in str(error):
+            raise
+        raise _missing('jax.lax.all_gather(..., to="invarying")', error) from None

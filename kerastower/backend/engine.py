@@ -240,6 +240,12 @@ class StepEngine:
     def reset_memory_peaks(self):
         """Starts the devices' peak memory over, where the backend can."""
 
+    def optimizer_state_bytes(self):
+        """{device name: bytes of the optimizer's state it holds}, over the
+        towers' devices of this process, read from the devices' buffers
+        (`kt.optimizer_state_bytes`)."""
+        raise NotImplementedError(f"{type(self).__name__} must say its optimizer_state_bytes.")
+
     def collectives_per_step(self, mode):
         """What one step of `mode` launched (see `kt.collectives_per_step`)."""
         raise KerasTowerError(

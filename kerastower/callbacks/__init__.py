@@ -20,6 +20,7 @@ from kerastower.callbacks.inference import Inferencer
 from kerastower.callbacks.inference import ScalarStats
 from kerastower.callbacks.monitors import EstimatedTimeLeft
 from kerastower.callbacks.monitors import JSONWriter
+from kerastower.callbacks.monitors import OptimizerMemoryTracker
 from kerastower.callbacks.monitors import PeakMemoryTracker
 from kerastower.callbacks.monitors import ProgressBar
 from kerastower.callbacks.monitors import ScalarPrinter
@@ -54,6 +55,7 @@ __all__ = [
     "MaxSaver",
     "MinSaver",
     "ModelSaver",
+    "OptimizerMemoryTracker",
     "PeakMemoryTracker",
     "PeriodicTrigger",
     "ProgressBar",

@@ -35,6 +35,7 @@ from kerastower.arguments import integer
 from kerastower.callbacks.base import Callback
 from kerastower.callbacks.base import RunAware
 from kerastower.callbacks.write_guard import write_errors
+from kerastower.errors import KerasTowerError
 from kerastower.callbacks.write_guard import WriteFailures
 from kerastower.callbacks.write_guard import never_raising_a_write_error
 
@@ -46,6 +47,8 @@ __all__ = [
     "JSONWriter",
     "TensorBoard",
     "PeakMemoryTracker",
+    "OptimizerMemoryTracker",
+    "optimizer_state_bytes",
 ]
 
 
@@ -420,3 +423,61 @@ class PeakMemoryTracker(Callback):
         if peaks and self.logs is not None:
             self.logs["peak_memory_mb"] = max(peaks) / 2**20
         self.model.engine.reset_memory_peaks()
+
+
+def optimizer_state_bytes(model):
+    """{device name: bytes of the optimizer's state on it}, over the towers' devices of this process.
+
+    Read from the devices' buffers. Each tower's device holds the whole
+    state (Adam: two slots the size of the weights, the step count, the
+    learning rate), except under `kt.distributed(..., shard_optimizer=True)`,
+    where each of N towers holds 1/N of every slot
+    (docs/sharded-optimizer.md). `kt.callbacks.OptimizerMemoryTracker`
+    logs the largest at each epoch's end.
+
+    Args:
+        model: a compiled `kt.TowerModel`.
+
+    Examples:
+        >>> inputs = keras.Input((3,))
+        >>> model = kt.TowerModel(inputs, keras.layers.Dense(2)(inputs))
+        >>> model.compile(optimizer="adam", loss="mse")
+        >>> _ = model.fit(np.ones((8, 3)), np.ones((8, 2)), batch_size=4, verbose=0)
+        >>> held = kt.optimizer_state_bytes(model)      # one device: Adam's 2 x 8 floats and 2 scalars
+        >>> len(held), 64 < min(held.values()) <= 64 + 16
+        (1, True)
+    """
+    optimizer = getattr(model, "optimizer", None)
+    engine = getattr(model, "engine", None)
+    if optimizer is None or engine is None:
+        raise KerasTowerError(
+            f"kt.optimizer_state_bytes({type(model).__name__}): the model has no optimizer yet; "
+            "pass a kt.TowerModel after compile(optimizer=...).")
+    if not optimizer.built:
+        raise KerasTowerError(
+            f"kt.optimizer_state_bytes: {optimizer.name} has no state yet (it is built at the "
+            "first fit); call it after fit, or in a callback.")
+    return engine.optimizer_state_bytes()
+
+
+class OptimizerMemoryTracker(Callback):
+    """Adds `optimizer_state_mb` to the logs when triggered (by default, at
+    every epoch end): the optimizer state the fullest tower device holds,
+    read from the devices' buffers (`kt.optimizer_state_bytes`). Under
+    `kt.distributed(..., shard_optimizer=True)` it falls as 1/N of the
+    replicated figure over N towers (docs/sharded-optimizer.md).
+
+    Examples:
+        >>> inputs = keras.Input((3,))
+        >>> model = kt.TowerModel(inputs, keras.layers.Dense(2)(inputs))
+        >>> model.compile(optimizer="adam", loss="mse")
+        >>> history = model.fit(np.ones((8, 3)), np.ones((8, 2)), batch_size=4, verbose=0,
+        ...                     callbacks=[kt.callbacks.OptimizerMemoryTracker()])
+        >>> 64 < history.history["optimizer_state_mb"][0] * 2**20 <= 64 + 16   # Adam: 2 x 8 floats, 2 scalars
+        True
+    """
+
+    def _trigger(self):
+        held = optimizer_state_bytes(self.model)
+        if held and self.logs is not None:
+            self.logs["optimizer_state_mb"] = max(held.values()) / 2**20

@@ -20,7 +20,12 @@ import contextlib
 
 from kerastower.errors import StrategyError
 
-__all__ = ["TowerStrategy"]
+__all__ = ["TowerStrategy", "SHARDED_OPTIMIZER_STRATEGIES"]
+
+SHARDED_OPTIMIZER_STRATEGIES = (
+    'Sharded optimizer state (docs/sharded-optimizer.md) exists under "single" and "mirrored" on '
+    'JAX (KERAS_BACKEND=jax); not yet on TensorFlow\'s strategies, Horovod, "multiworker" or '
+    '"multihost".')
 
 
 class TowerStrategy:
@@ -46,6 +51,9 @@ class TowerStrategy:
     # Whether every tower runs in this process: then reading the towers'
     # values (a step's example counts, the metrics) needs no collective.
     single_process = True
+    # Whether each tower keeps only its piece of the optimizer's state
+    # (`shard_optimizer_state`).
+    shards_optimizer_state = False
 
     def __init__(self, name, *unexpected):
         if unexpected:
@@ -69,6 +77,18 @@ class TowerStrategy:
     def scope(self):
         """The scope models are built under (none: the engine places the state)."""
         return contextlib.nullcontext()
+
+    def shard_optimizer_state(self):
+        """Makes each of the N towers keep 1/N of the optimizer's state
+        (`kt.distributed(..., shard_optimizer=True)`); raises StrategyError
+        where this strategy cannot (`_shard_optimizer_state`)."""
+        self._shard_optimizer_state()
+        self.shards_optimizer_state = True
+
+    def _shard_optimizer_state(self):
+        raise StrategyError(
+            f"{self!r} keeps the whole optimizer state on every tower: shard_optimizer=True is "
+            f"not available under it. {SHARDED_OPTIMIZER_STRATEGIES} Or leave shard_optimizer off.")
 
     def broadcast_object(self, obj):
         """The chief's `obj` (JSON-able), on every process."""

@@ -38,6 +38,10 @@ class JaxTowerStrategy(TowerStrategy):
     def num_towers(self):
         return len(self.devices)
 
+    def _shard_optimizer_state(self):
+        """Every tower is in this process: the JAX step cuts the optimizer's
+        state over them (backend/jax/optimizer_shards.py)."""
+
     def step_devices(self, num_towers):
         """The devices of a step on `num_towers` towers: the first ones (a
         pass's short last step runs on fewer)."""

@@ -39,6 +39,7 @@ from jax.experimental import multihost_utils
 
 from kerastower.errors import DataMismatchError
 from kerastower.errors import StrategyError
+from kerastower.strategies.base import TowerStrategy
 from kerastower.strategies.jax_local import JaxTowerStrategy
 from kerastower.checkpoint.training_state import training_state
 
@@ -99,6 +100,11 @@ class MultiHostStrategy(JaxTowerStrategy):
     @property
     def is_chief(self):
         return self.process_index == 0
+
+    def _shard_optimizer_state(self):
+        # The pieces would span processes, and a sync (the chief's callback
+        # alone may ask for one) would need every process to gather them.
+        TowerStrategy._shard_optimizer_state(self)
 
     def step_devices(self, num_towers):
         """Every device for a whole step; for a short one, this process's own

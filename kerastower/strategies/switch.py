@@ -208,6 +208,9 @@ class distributed:
             not parse, or names a device twice, raises `StrategyError` here;
             a device this process lacks raises it when the strategy is made
             (entering the block), before anything runs on it.
+        shard_optimizer: each of the N towers keeps 1/N of the optimizer's
+            state, with the replicated run's numbers (docs/sharded-optimizer.md).
+            A strategy that cannot raises `StrategyError` when it is made.
 
     Examples:
         >>> @kt.distributed("mirrored", devices=["/cpu:0", "/cpu:1"])
@@ -221,7 +224,7 @@ class distributed:
         2
     """
 
-    def __init__(self, name="mirrored", devices=None):
+    def __init__(self, name="mirrored", devices=None, shard_optimizer=False):
         backend = _running()
         if name not in _REGISTRY[_running_backend()]:
             hint = backend.hints.get(name)
@@ -232,6 +235,7 @@ class distributed:
             )
         self.name = name
         self.devices = backend.checked_devices(devices, name)
+        self.shard_optimizer = bool(shard_optimizer)
         self._backend = _running_backend()
         self._strategy = None
         self._blocks = []
@@ -240,7 +244,10 @@ class distributed:
     def strategy(self):
         """The `TowerStrategy`, made on first use and then reused."""
         if self._strategy is None:
-            self._strategy = _REGISTRY[self._backend][self.name](self.devices)
+            strategy = _REGISTRY[self._backend][self.name](self.devices)
+            if self.shard_optimizer:
+                strategy.shard_optimizer_state()
+            self._strategy = strategy
         return self._strategy
 
     def __enter__(self):
@@ -293,4 +300,5 @@ class distributed:
         return run_under_strategy
 
     def __repr__(self):
-        return f"distributed({self.name!r}, devices={self.devices})"
+        sharded = ", shard_optimizer=True" if self.shard_optimizer else ""
+        return f"distributed({self.name!r}, devices={self.devices}{sharded})"

@@ -197,3 +197,20 @@ def test_tensorboard_update_freq_counts_global_steps(two_towers, tmp_path):
     model.fit(_endless(), steps_per_epoch=3, epochs=2, verbose=0,
               callbacks=[kt.callbacks.TensorBoard(logdir, update_freq=2)])
     assert _scalar_steps(logdir, "batch_loss") == [2, 5, 6]
+
+
+def test_optimizer_memory_is_read_from_every_tower_device():
+    """Each tower's device holds the whole optimizer state where nothing is
+    sharded (docs/sharded-optimizer.md): SGD with momentum, one slot the
+    size of the weights, and two scalars."""
+    with kt.distributed("mirrored", devices=tower_devices(2)):
+        model = mlp(optimizer=keras.optimizers.SGD(0.1, momentum=0.9))
+    x, y = id_data(16)
+    history = model.fit(x, y, batch_size=4, epochs=2, verbose=0,
+                        callbacks=[kt.callbacks.OptimizerMemoryTracker()])
+    held = kt.optimizer_state_bytes(model)
+    assert len(held) == 2
+    weights = sum(w.nbytes for w in model.get_weights())
+    scalars = sum(np.asarray(v.value).nbytes for v in model.optimizer.variables if len(v.shape) == 0)
+    assert set(held.values()) == {weights + scalars}
+    assert history.history["optimizer_state_mb"] == [(weights + scalars) / 2**20] * 2

@@ -91,3 +91,18 @@ def test_registering_needs_a_known_backend_and_a_callable():
 def test_the_base_takes_a_name_only_and_says_what_wraps_tf_distribute():
     with pytest.raises(kt.StrategyError, match="TFDistributeStrategy"):
         kt.TowerStrategy("mine", object())
+
+
+def test_shard_optimizer_is_there_on_jax_and_refused_with_a_pointer_elsewhere():
+    """`kt.distributed(..., shard_optimizer=True)` (docs/sharded-optimizer.md):
+    JAX's "mirrored" has it; TensorFlow's strategies say where it exists
+    when the block is entered, before anything is built."""
+    block = kt.distributed("mirrored", devices=tower_devices(2), shard_optimizer=True)
+    if BACKEND == "jax":
+        with block as strategy:
+            assert strategy.shards_optimizer_state
+        return
+    with pytest.raises(kt.StrategyError, match='exists under "single" and "mirrored" on JAX'):
+        with block:
+            pass
+    assert not switch.open_blocks()

@@ -60,7 +60,8 @@ class JaxEngine(StepEngine):
         if len(devices) not in self._steps:
             mesh = jax_step.tower_mesh(devices)
             self._steps[len(devices)] = jax_step.TowerSteps(
-                self.model, mesh, step_checks_finite(self.model))
+                self.model, mesh, step_checks_finite(self.model),
+                shard_optimizer=self.model.tower_strategy.shards_optimizer_state)
             # N towers run in one shard_map, traced either way: jitted.
             self._steps[len(devices)].jitted = getattr(self, "_jitted", True) or len(devices) > 1
         steps = self._steps[len(devices)]
@@ -237,6 +238,10 @@ class JaxEngine(StepEngine):
         # Another process's devices (multihost) report to that process only.
         stats = [d.memory_stats() for d in devices if d.process_index == jax.process_index()]
         return [s["peak_bytes_in_use"] for s in stats if s and "peak_bytes_in_use" in s]
+
+    def optimizer_state_bytes(self):
+        held = self.tower_steps().optimizer_state_bytes()
+        return {str(device): size for device, size in held.items()}
 
     def open_inference(self, source, steps=None):
         # An evaluation or prediction changes no variable list: its steps

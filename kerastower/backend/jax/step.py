@@ -113,8 +113,8 @@ class TowerSteps(TowerState):
     checkpoints see the weights of the last step.
     """
 
-    def __init__(self, model, mesh, check_finite=True):
-        super().__init__(model, mesh, check_finite)
+    def __init__(self, model, mesh, check_finite=True, shard_optimizer=False):
+        super().__init__(model, mesh, check_finite, shard_optimizer)
         self.step_values = StepValues(model, "train_step")
         self.test_values = StepValues(model, "test_step")
         self.final_logs = None  # the last step's `StepRun.final_logs`
@@ -236,11 +236,14 @@ class TowerSteps(TowerState):
         donated = mode.startswith("train") and not self.launches_ahead()
         key = (mode, donated)
         if key not in self._functions:
+            shards = self.optimizer_shards() if mode.startswith("train") else None
+            # The optimizer's state: whole on every tower, or each slot cut over them.
+            optimizer = REPLICATED if shards is None else list(shards.specs)
             specs = {
-                "train": ((REPLICATED,) * 3 + (BY_TOWER, BY_TOWER, REPLICATED),
-                          (REPLICATED,) * 3 + (BY_TOWER, BY_TOWER, REPLICATED)),
-                "train_steps": ((REPLICATED,) * 3 + (BY_TOWER, BY_TOWER, REPLICATED),
-                                (REPLICATED,) * 3 + (BY_TOWER, BY_STEP_AND_TOWER, REPLICATED)),
+                "train": ((REPLICATED, REPLICATED, optimizer, BY_TOWER, BY_TOWER, REPLICATED),
+                          (REPLICATED, REPLICATED, optimizer, BY_TOWER, BY_TOWER, REPLICATED)),
+                "train_steps": ((REPLICATED, REPLICATED, optimizer, BY_TOWER, BY_TOWER, REPLICATED),
+                                (REPLICATED, REPLICATED, optimizer, BY_TOWER, BY_STEP_AND_TOWER, REPLICATED)),
                 "test": ((REPLICATED,) * 2 + (BY_TOWER, BY_TOWER), (BY_TOWER, REPLICATED, REPLICATED)),
                 "predict": ((REPLICATED,) * 2 + (BY_TOWER,), (BY_TOWER, REPLICATED)),
             }[mode.split(":")[0]]
@@ -347,7 +350,9 @@ class TowerSteps(TowerState):
             return taken.gradients, list(non_trainable), list(metrics), values, count
 
         metrics = [m[0] for m in tower_metrics]
-        tower_args = (jax_towers.per_tower(trainable, self.num_towers), non_trainable, optimizer_vars, metrics, data)
+        shards = self.optimizer_shards()
+        tower_args = (jax_towers.per_tower(trainable, self.num_towers), non_trainable,
+                      optimizer_vars if shards is None else shards.tower_view(optimizer_vars), metrics, data)
         if self.check_finite and self.num_towers == 1 and self.jitted:
             # One tower's gradients are checked from the products that made
             # them, where that bounds them, and on a CPU those products are
@@ -364,6 +369,11 @@ class TowerSteps(TowerState):
             # towers.
             gradients, non_trainable, metrics, values, count = self._switch(tower, *tower_args)
         values = self.step_values.reduced(values, self.num_towers > 1)
+        if shards is not None:
+            new_trainable, new_optimizer, finite, flags = self._sharded_update(
+                shards, gradients, trainable, optimizer_vars, going)
+            return self._step_outputs(new_trainable, non_trainable, old_non_trainable, new_optimizer,
+                                      metrics, tower_metrics, flags, finite, values)
         if self.num_towers > 1:
             tower_finite = jax_towers.all_finite(gradients)
             gradients = jax_towers.mean_over_towers(gradients)
@@ -417,6 +427,13 @@ class TowerSteps(TowerState):
             new_trainable, new_optimizer = jax.lax.cond(going, lambda: apply(gradients), keep)
             finite = flags = jnp.asarray(True)
         new_optimizer = optimizer_apply.with_cycle_logged(model.optimizer, new_optimizer, logged)
+        return self._step_outputs(new_trainable, non_trainable, old_non_trainable, new_optimizer,
+                                  metrics, tower_metrics, flags, finite, values)
+
+    def _step_outputs(self, new_trainable, non_trainable, old_non_trainable, new_optimizer, metrics,
+                      tower_metrics, flags, finite, values):
+        """A step's new state and flags (`_train_step`'s result), the
+        non-trainable values tower 0's."""
         non_trainable = jax_towers.from_tower_0(non_trainable, self.num_towers)
         metrics = [m[None] for m in metrics]
         if self.check_finite:
@@ -425,6 +442,36 @@ class TowerSteps(TowerState):
             non_trainable = [jnp.where(finite, n, o) for n, o in zip(non_trainable, old_non_trainable)]
             metrics = [jnp.where(finite, n, o) for n, o in zip(metrics, tower_metrics)]
         return list(new_trainable), non_trainable, list(new_optimizer), metrics, flags[None], finite, values
+
+    def _sharded_update(self, shards, gradients, trainable, optimizer_pieces, going):
+        """(new weights, new optimizer pieces, finite, this tower's flag):
+        the update with the optimizer's state cut over the towers
+        (optimizer_shards.py). Each tower receives its piece of the mean
+        gradient (a reduce-scatter), updates its piece of every weight, and
+        the pieces are gathered into the whole weights. A step is applied
+        on every tower or on none: the towers agree on its finiteness."""
+        tower_finite = jax_towers.all_finite(gradients)
+        gradient_pieces = shards.gradient_pieces(gradients)
+        weight_pieces = shards.own_pieces(trainable)
+        if self.check_finite:
+            piece_finite = jax_towers.all_finite(gradient_pieces)
+            unfinite = jax.lax.psum(jnp.logical_not(piece_finite).astype(jnp.int32), AXIS)
+            finite = jnp.logical_and(unfinite == 0, going)
+        else:
+            finite = going
+
+        def apply():
+            return shards.applied(optimizer_pieces, gradient_pieces, weight_pieces)
+
+        def keep():
+            return list(weight_pieces), list(optimizer_pieces)
+
+        # A cond outside the gather: every tower takes the same branch, and
+        # the collectives run on all of them.
+        new_pieces, new_optimizer = jax.lax.cond(finite, apply, keep)
+        new_trainable = shards.whole(new_pieces)
+        flags = self._towers_to_blame(tower_finite, finite) if self.check_finite else jnp.asarray(True)
+        return new_trainable, new_optimizer, finite, flags
 
     def _towers_to_blame(self, tower_finite, finite):
         """Each tower's flag: its own gradients' finiteness; every tower's

@@ -111,6 +111,12 @@ class TowerFunctionRunner(engine.TowerFunctionRunner):
                 f"tower_function {self.__name__!r}: on JAX, kt.Trainer's tower functions run "
                 f"on the devices of one process; the strategy is {strategy!r}. Use "
                 '"mirrored" (or KERAS_BACKEND=tensorflow with "horovod" or "multiworker").')
+        if strategy.shards_optimizer_state and strategy.num_towers > 1:
+            raise KerasTowerError(
+                f"tower_function {self.__name__!r}: kt.Trainer's tower functions keep the whole "
+                f"optimizer state on every tower; {strategy!r} was made with shard_optimizer=True, "
+                "which fit's steps have (a TowerModel's fit, compute_loss or train_step). Leave "
+                "shard_optimizer off for a kt.Trainer.")
         for optimizer in training_optimizers(model):
             if not optimizer.built:
                 raise KerasTowerError(

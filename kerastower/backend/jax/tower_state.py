@@ -16,12 +16,13 @@ import numpy as np
 from jax.sharding import NamedSharding
 
 from kerastower._compat import on_jax as jax_compat
+from kerastower.backend.jax.optimizer_shards import OptimizerShards
 from kerastower.backend.jax.placement import BY_TOWER
 from kerastower.backend.jax.placement import REPLICATED
 from kerastower.backend.jax.placement import local_value
 from kerastower.backend.jax.placement import spans_processes
 
-__all__ = ["TowerState", "LAUNCH_AHEAD_MAX_BYTES", "LAUNCH_AHEAD_MAX_BYTES_CPU"]
+__all__ = ["TowerState", "LAUNCH_AHEAD_MAX_BYTES", "LAUNCH_AHEAD_MAX_BYTES_CPU", "bytes_per_device"]
 
 
 # A call launched ahead cannot take the state it starts from as its own
@@ -55,6 +56,16 @@ def _each_array_once(state):
     return jax.tree.map(once, state)
 
 
+def bytes_per_device(values):
+    """{device: bytes of `values` it holds}, read from each array's buffers
+    on each device (a value whole on every device counts on each)."""
+    held = {}
+    for value in values:
+        for shard in value.addressable_shards:
+            held[shard.device] = held.get(shard.device, 0) + shard.data.nbytes
+    return held
+
+
 class TowerState:
     """The training state `mesh`'s towers hold between the steps of
     `model`, and its way into the model's variables.
@@ -64,7 +75,7 @@ class TowerState:
     since (by a callback) is read back before the next step.
     """
 
-    def __init__(self, model, mesh, check_finite=True):
+    def __init__(self, model, mesh, check_finite=True, shard_optimizer=False):
         self.model = model
         self.mesh = mesh
         self.num_towers = mesh.size
@@ -85,6 +96,31 @@ class TowerState:
         self._stack_metrics = None
         self._spans = spans_processes(mesh)
         self._host_memory = all(d.platform == "cpu" for d in mesh.devices.flat)
+        # Each tower keeps its piece of the optimizer's state (one tower: the whole).
+        self._shard_optimizer = shard_optimizer and self.num_towers > 1
+        self._shards = None
+        self._optimizer_bytes = None  # what the held optimizer state took on each device
+
+    def optimizer_shards(self):
+        """The `OptimizerShards` the towers cut the optimizer's state by, or
+        None where each tower holds it whole."""
+        optimizer = getattr(self.model, "optimizer", None)
+        if self._shards is None and self._shard_optimizer and optimizer is not None:
+            if not optimizer.built:
+                optimizer.build(self.model.trainable_variables)
+            self._shards = OptimizerShards(optimizer, self.num_towers)
+        return self._shards
+
+    def optimizer_state_bytes(self):
+        """{device: bytes of optimizer state it holds for the steps}, read
+        from the buffers: what the towers hold; else what they held last
+        (measured at the sync that handed it to the variables, `sync`);
+        else the optimizer's variables placed as a step places them."""
+        if self._held is not None:
+            return bytes_per_device(self._held[2])
+        if self._optimizer_bytes is None:
+            self._optimizer_bytes = bytes_per_device(self._current_state()[2])
+        return dict(self._optimizer_bytes)
 
     def _replicated(self, values):
         sharding = NamedSharding(self.mesh, REPLICATED)
@@ -183,8 +219,10 @@ class TowerState:
         self._check_written()
         if self._held is not None:
             return self._held
-        return _each_array_once(tuple(self._replicated([v.value for v in variables])
-                                      for variables in self._variable_lists()))
+        trainable, non_trainable, optimizer = ([v.value for v in variables] for variables in self._variable_lists())
+        shards = self.optimizer_shards()
+        return _each_array_once((self._replicated(trainable), self._replicated(non_trainable),
+                                 self._replicated(optimizer) if shards is None else shards.placed(optimizer, self.mesh)))
 
     def _inference_state(self):
         """(trainable, non-trainable) for the evaluation and prediction
@@ -238,7 +276,13 @@ class TowerState:
         step reads the variables again if a callback set one since."""
         if self._held is not None and self._written is None:
             lists = self._variable_lists()
-            for variables, values in zip(lists, self._held):
+            held = list(self._held)
+            if self._optimizer_bytes is None:
+                # Its layout is the same at every step: measured once.
+                self._optimizer_bytes = bytes_per_device(held[2])
+            if self._shards is not None:
+                held[2] = self._shards.whole_values(held[2], self.mesh)
+            for variables, values in zip(lists, held):
                 self._write_back(variables, values)
             if self.launches_ahead():
                 # The steps do not take the held state as their own, so it

@@ -259,6 +259,16 @@ class TensorFlowEngine(StepEngine):
         for device in _gpus():
             tf.config.experimental.reset_memory_stats(device)
 
+    def optimizer_state_bytes(self):
+        # A mirrored variable holds a whole copy on each tower's device.
+        held = {}
+        tower_values = self.model.tower_strategy.tower_values
+        for variable in self.model.optimizer.variables:
+            for copy in tower_values(variable.value):
+                size = copy.shape.num_elements() * copy.dtype.size
+                held[copy.device] = held.get(copy.device, 0) + size
+        return held
+
     def collectives_per_step(self, mode):
         recorded = self.cache.collectives
         launches = recorded.get(mode, {"step": [], "logs": []})
