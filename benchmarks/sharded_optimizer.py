@@ -48,10 +48,8 @@ def main():
     parser.add_argument("--rounds", type=int, default=5)
     args = parser.parse_args()
     counts = [int(n) for n in args.towers.split(",")]
+    kt.use_cpu_towers(max(counts))   # before JAX starts; where there are GPUs, the towers are those
     import jax
-
-    if jax.devices()[0].platform == "cpu":
-        kt.use_cpu_towers(max(counts))
     import numpy as np
 
     build = getattr(models, args.model)

@@ -136,13 +136,24 @@ class OptimizerShards:
     def whole_values(self, held, mesh):
         """The optimizer's whole values from what the towers hold (`placed`),
         for its variables: on the host where the towers are accelerators."""
-        host = None if all(d.platform == "cpu" for d in mesh.devices.flat) else jax.devices("cpu")[0]
+        host = _host(mesh)
         values = []
         for value, slot in zip(held, self.slot_of):
             if slot is not None:
                 value = np.asarray(value)[:self.sizes[slot]].reshape(self.shapes[slot])
             values.append(value if host is None else jax.device_put(value, host))
         return values
+
+    def keep_on_host(self, variables, mesh):
+        """Moves the whole slots `variables` (the optimizer's) hold to the
+        host where the towers are accelerators: built whole on the default
+        device, they would stay there beside the pieces."""
+        host = _host(mesh)
+        if host is None:
+            return
+        for variable, slot in zip(variables, self.slot_of):
+            if slot is not None and variable.value.devices() != {host}:
+                variable.assign(jax.device_put(variable.value, host))
 
     # -- inside the towers' shard_map ------------------------------------
 
@@ -205,6 +216,17 @@ class OptimizerShards:
     def _padded(self, value, i):
         flat = value.reshape(-1)
         return jnp.pad(flat, (0, self.chunks[i] * self.num_towers - flat.shape[0]))
+
+
+def _host(mesh):
+    """The host's CPU device where the towers are accelerators; None where
+    they are CPU devices themselves (the host's memory already)."""
+    if all(d.platform == "cpu" for d in mesh.devices.flat):
+        return None
+    try:
+        return jax.devices("cpu")[0]
+    except RuntimeError:  # JAX_PLATFORMS left the CPU out: they stay on the default device
+        return None
 
 
 def _piece_copy(optimizer, weights, chunks):

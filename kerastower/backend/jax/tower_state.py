@@ -219,10 +219,14 @@ class TowerState:
         self._check_written()
         if self._held is not None:
             return self._held
-        trainable, non_trainable, optimizer = ([v.value for v in variables] for variables in self._variable_lists())
+        lists = self._variable_lists()
+        trainable, non_trainable, optimizer = ([v.value for v in variables] for variables in lists)
         shards = self.optimizer_shards()
-        return _each_array_once((self._replicated(trainable), self._replicated(non_trainable),
-                                 self._replicated(optimizer) if shards is None else shards.placed(optimizer, self.mesh)))
+        if shards is None:
+            return _each_array_once(tuple(map(self._replicated, (trainable, non_trainable, optimizer))))
+        placed = shards.placed(optimizer, self.mesh)
+        shards.keep_on_host(lists[2], self.mesh)
+        return _each_array_once((self._replicated(trainable), self._replicated(non_trainable), placed))
 
     def _inference_state(self):
         """(trainable, non-trainable) for the evaluation and prediction
