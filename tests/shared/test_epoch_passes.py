@@ -62,3 +62,37 @@ def test_one_tower_epochs_equal_train_on_batch_over_each_pass(shuffle):
         np.testing.assert_allclose(mine, theirs, atol=1e-6)
     assert len(history.history["loss"]) == EPOCHS
     np.testing.assert_allclose(history.history["loss"], losses, atol=1e-6)
+
+
+@pytest.mark.parametrize("rows", [16, 18])   # passes of 2 whole steps; of 3, the last on tower 0 alone
+def test_two_towers_epochs_equal_one_device_on_each_steps_joined_batches(rows):
+    """2 towers read the passes in a row where every step of a pass fills
+    both (16 rows: 4 batches of 4 a pass), else each pass afresh (18
+    rows: 5 batches, the last short and tower 0's alone); either way step s
+    of a pass takes its batches 2s and 2s + 1, shuffled per pass as one
+    tower's: against stock Keras's `train_on_batch` on each step's joined
+    batch."""
+    from tests.helpers.common import tower_devices
+
+    rng = np.random.default_rng(1)
+    x, y = rng.normal(size=(rows, 3)).astype("float32"), rng.normal(size=(rows, 2)).astype("float32")
+    with kt.distributed("mirrored", devices=tower_devices(2)):
+        towers = _dense(kt.TowerModel)
+    stock = _dense(keras.Model)
+    stock.set_weights(towers.get_weights())
+    np.random.seed(7)
+    towers.fit(x, y, batch_size=B, epochs=EPOCHS, shuffle=True, verbose=0)
+    np.random.seed(7)
+    order = ArrayRows(rows, B, True)
+    keras_order.follow_keras(order, towers.tower_strategy, towers.engine.pass_order)
+    order.fix_seed()
+    if hasattr(order.pass_order, "peek"):
+        order.pass_order.peek()
+    for pass_index in range(EPOCHS):
+        batches = list(order.batches_of_pass(pass_index))
+        for step in range(0, len(batches), 2):
+            joined = np.concatenate(batches[step:step + 2])
+            stock.train_on_batch(x[joined], y[joined])
+    assert towers.loop.global_step == EPOCHS * -(-rows // (2 * B))
+    for mine, theirs in zip(towers.get_weights(), stock.get_weights()):
+        np.testing.assert_allclose(mine, theirs, atol=1e-6)

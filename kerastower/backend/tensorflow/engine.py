@@ -373,12 +373,16 @@ class _Feed(Feed):
         self.source.check_finite(strategy.num_towers)
         self.resumed_skip = None if skip_batches is None else list(skip_batches)
         self.steps_have_data = fills_every_step(self.source, strategy, skip_batches)
-        if self.by_pass and strategy.num_towers == 1 and strategy.single_process and hasattr(
+        if self.by_pass and (strategy.num_towers == 1 or self.steps_have_data) and strategy.single_process and hasattr(
                 self.source, "passes_in_a_row"):
-            # One tower takes a pass's batches in exactly an epoch's steps:
-            # the passes in a row, placed once, spare every epoch a new
-            # pipeline and iterator (an epoch of 4 steps cost 1.4x stock
-            # Keras's), and every step the question whether data is left.
+            # The towers take a pass's batches in exactly an epoch's steps
+            # (one tower; or N whose every step the pass fills, so batch k
+            # of the stream goes to tower k mod N as it would in its own
+            # pass): the passes in a row, placed once, spare every epoch a
+            # new pipeline and iterator (an epoch of 4 steps cost 1.4x
+            # stock Keras's on one tower; 2 towers' epochs of 4 steps took
+            # 80 ms, 11 ms in a row), and every step the question whether
+            # data is left.
             self.endless = True
             self.iterator = iter(self.model.engine.place(
                 self.source.passes_in_a_row(), pass_index=epoch_num - 1, skip_batches=skip_batches))
