@@ -14,7 +14,10 @@ One step of N towers, as backend/tensorflow/step.py does it on TensorFlow:
    share is n_i / sum_j n_j, and the towers' batches have one shape here,
    so 1/N), checked for NaN/Inf (one tower's from the products that made
    them: finite_check.py), and the optimizer is applied once, to the
-   averaged gradients (where gradients are reduced);
+   averaged gradients (where gradients are reduced); with
+   `shard_optimizer=True`, reduce-scattered instead, each tower updating
+   its piece of the weights and gathering the whole (`_sharded_update`,
+   optimizer_shards.py);
 4. non-trainable weights (BatchNormalization statistics, seed states) follow
    tower 0; each tower keeps its own metric variables, summed when the logs
    are read, so the logs are example-weighted over towers.
