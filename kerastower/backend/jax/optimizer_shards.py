@@ -80,7 +80,9 @@ def check_shardable(optimizer):
         raise KerasTowerError(
             f"shard_optimizer=True: {optimizer.name} accumulates gradients "
             f"(gradient_accumulation_steps={optimizer.gradient_accumulation_steps}); sharded "
-            "accumulation is not built yet. Leave one of the two off.")
+            "accumulation is not built yet (Keras's JAX accumulation chooses between new zeros and "
+            "the accumulated pieces, which inside the towers' shard_map are typed differently). "
+            "Leave one of the two off.")
 
 
 class OptimizerShards:
