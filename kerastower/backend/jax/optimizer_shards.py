@@ -125,24 +125,28 @@ class OptimizerShards:
         every tower."""
         pieces = NamedSharding(mesh, BY_TOWER)
         whole = NamedSharding(mesh, REPLICATED)
-        placed = []
+        arrays, shardings = [], []
         for value, slot in zip(values, self.slot_of):
             if slot is None:
-                placed.append(jax.device_put(value, whole))
+                arrays.append(value)
+                shardings.append(whole)
             else:
                 flat = np.asarray(value).reshape(-1)
-                padded = np.pad(flat, (0, self.chunks[slot] * self.num_towers - flat.size))
-                placed.append(jax.device_put(padded, pieces))
-        return placed
+                arrays.append(np.pad(flat, (0, self.chunks[slot] * self.num_towers - flat.size)))
+                shardings.append(pieces)
+        # One device_put for all: JAX's cost per call adds up over many variables.
+        return list(jax.device_put(arrays, shardings)) if arrays else []
 
     def whole_values(self, held, mesh):
         """The optimizer's whole values from what the towers hold (`placed`),
         for its variables: on the host where the towers are accelerators."""
         host = _host(mesh)
+        # One transfer for all the slots' pieces.
+        fetched = iter(jax.device_get([value for value, slot in zip(held, self.slot_of) if slot is not None]))
         values = []
         for value, slot in zip(held, self.slot_of):
             if slot is not None:
-                value = np.asarray(value)[:self.sizes[slot]].reshape(self.shapes[slot])
+                value = np.asarray(next(fetched))[:self.sizes[slot]].reshape(self.shapes[slot])
             values.append(value if host is None else jax.device_put(value, host))
         return values
 
