@@ -49,6 +49,7 @@ from jax.sharding import NamedSharding
 from kerastower import _compat
 from kerastower._compat import on_jax as jax_compat
 from kerastower.backend.jax.placement import AXIS
+from kerastower.backend.jax.towers import all_finite
 from kerastower.backend.jax.placement import BY_TOWER
 from kerastower.backend.jax.placement import REPLICATED
 from kerastower.errors import KerasTowerError
@@ -162,6 +163,31 @@ class OptimizerShards:
                 variable.assign(jax.device_put(variable.value, host))
 
     # -- inside the towers' shard_map ------------------------------------
+
+    def update(self, gradients, weights, optimizer_pieces, going, check_finite=True):
+        """(new whole weights, new optimizer pieces, finite): one step's
+        update from each tower's `gradients`. Each tower receives its piece
+        of the mean gradient (a reduce-scatter), updates its piece of every
+        weight, and the pieces are gathered into the whole weights. A step
+        is applied on every tower or on none (`going` False, or, checked,
+        a NaN or Inf in any tower's piece): the towers agree on it."""
+        gradient_pieces = self.gradient_pieces(gradients)
+        weight_pieces = self.own_pieces(weights)
+        finite = going
+        if check_finite:
+            unfinite = jax.lax.psum(jnp.logical_not(all_finite(gradient_pieces)).astype(jnp.int32), AXIS)
+            finite = jnp.logical_and(unfinite == 0, going)
+
+        def apply():
+            return self.applied(optimizer_pieces, gradient_pieces, weight_pieces)
+
+        def keep():
+            return list(weight_pieces), list(optimizer_pieces)
+
+        # A cond outside the gather: every tower takes the same branch, and
+        # the collectives run on all of them.
+        new_pieces, new_optimizer = jax.lax.cond(finite, apply, keep)
+        return self.whole(new_pieces), new_optimizer, finite
 
     def tower_view(self, optimizer_pieces):
         """What a tower's `train_step` gets as the optimizer's values: the

@@ -16,8 +16,8 @@ One step of N towers, as backend/tensorflow/step.py does it on TensorFlow:
    them: finite_check.py), and the optimizer is applied once, to the
    averaged gradients (where gradients are reduced); with
    `shard_optimizer=True`, reduce-scattered instead, each tower updating
-   its piece of the weights and gathering the whole (`_sharded_update`,
-   optimizer_shards.py);
+   its piece of the weights and gathering the whole
+   (`OptimizerShards.update`, optimizer_shards.py);
 4. non-trainable weights (BatchNormalization statistics, seed states) follow
    tower 0; each tower keeps its own metric variables, summed when the logs
    are read, so the logs are example-weighted over towers.
@@ -373,8 +373,10 @@ class TowerSteps(TowerState):
             gradients, non_trainable, metrics, values, count = self._switch(tower, *tower_args)
         values = self.step_values.reduced(values, self.num_towers > 1)
         if shards is not None:
-            new_trainable, new_optimizer, finite, flags = self._sharded_update(
-                shards, gradients, trainable, optimizer_vars, going)
+            tower_finite = jax_towers.all_finite(gradients)
+            new_trainable, new_optimizer, finite = shards.update(
+                gradients, trainable, optimizer_vars, going, self.check_finite)
+            flags = self._towers_to_blame(tower_finite, finite) if self.check_finite else jnp.asarray(True)
             return self._step_outputs(new_trainable, non_trainable, old_non_trainable, new_optimizer,
                                       metrics, tower_metrics, flags, finite, values)
         if self.num_towers > 1:
@@ -445,36 +447,6 @@ class TowerSteps(TowerState):
             non_trainable = [jnp.where(finite, n, o) for n, o in zip(non_trainable, old_non_trainable)]
             metrics = [jnp.where(finite, n, o) for n, o in zip(metrics, tower_metrics)]
         return list(new_trainable), non_trainable, list(new_optimizer), metrics, flags[None], finite, values
-
-    def _sharded_update(self, shards, gradients, trainable, optimizer_pieces, going):
-        """(new weights, new optimizer pieces, finite, this tower's flag):
-        the update with the optimizer's state cut over the towers
-        (optimizer_shards.py). Each tower receives its piece of the mean
-        gradient (a reduce-scatter), updates its piece of every weight, and
-        the pieces are gathered into the whole weights. A step is applied
-        on every tower or on none: the towers agree on its finiteness."""
-        tower_finite = jax_towers.all_finite(gradients)
-        gradient_pieces = shards.gradient_pieces(gradients)
-        weight_pieces = shards.own_pieces(trainable)
-        if self.check_finite:
-            piece_finite = jax_towers.all_finite(gradient_pieces)
-            unfinite = jax.lax.psum(jnp.logical_not(piece_finite).astype(jnp.int32), AXIS)
-            finite = jnp.logical_and(unfinite == 0, going)
-        else:
-            finite = going
-
-        def apply():
-            return shards.applied(optimizer_pieces, gradient_pieces, weight_pieces)
-
-        def keep():
-            return list(weight_pieces), list(optimizer_pieces)
-
-        # A cond outside the gather: every tower takes the same branch, and
-        # the collectives run on all of them.
-        new_pieces, new_optimizer = jax.lax.cond(finite, apply, keep)
-        new_trainable = shards.whole(new_pieces)
-        flags = self._towers_to_blame(tower_finite, finite) if self.check_finite else jnp.asarray(True)
-        return new_trainable, new_optimizer, finite, flags
 
     def _towers_to_blame(self, tower_finite, finite):
         """Each tower's flag: its own gradients' finiteness; every tower's
