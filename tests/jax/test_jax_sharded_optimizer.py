@@ -8,7 +8,6 @@ variable and every logged value must agree within 1e-6. The replicated
 run is itself checked against one device by the equivalence matrix.
 """
 
-import jax
 import keras
 import numpy as np
 import pytest
