@@ -26,6 +26,7 @@ import threading
 import warnings
 
 from kerastower._backend_required import running_backend
+from kerastower.arguments import boolean
 from kerastower.errors import StrategyError
 
 __all__ = [
@@ -235,7 +236,7 @@ class distributed:
             )
         self.name = name
         self.devices = backend.checked_devices(devices, name)
-        self.shard_optimizer = bool(shard_optimizer)
+        self.shard_optimizer = boolean(shard_optimizer, "shard_optimizer", f"kt.distributed({name!r})")
         self._backend = _running_backend()
         self._strategy = None
         self._blocks = []

@@ -106,3 +106,9 @@ def test_shard_optimizer_is_there_on_jax_and_refused_with_a_pointer_elsewhere():
         with block:
             pass
     assert not switch.open_blocks()
+
+
+def test_shard_optimizer_takes_a_bool_only():
+    """A string would be true whatever it says: refused, naming the value."""
+    with pytest.raises(kt.ArgumentError, match="shard_optimizer must be True or False; got 'no'"):
+        kt.distributed("mirrored", devices=tower_devices(2), shard_optimizer="no")
